@@ -1,0 +1,43 @@
+"""bps_gossip: a BytePS-style parameter server with gossip averaging (framework-free core).
+
+The core speaks numpy; ``mxnet_plugin`` binds it to MXNet and Gluon.
+"""
+
+from .api import (
+    barrier,
+    broadcast,
+    broadcast_async,
+    declare,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    poll,
+    push_pull,
+    push_pull_async,
+    rank,
+    server_stats,
+    shutdown,
+    size,
+    synchronize,
+)
+from .config import Config, load_config
+from .errors import (
+    BpsGossipError,
+    CommTimeoutError,
+    ConfigError,
+    NotInitializedError,
+    PeerLostError,
+    ProtocolError,
+    TensorMismatchError,
+)
+from .worker.handle import Handle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "NotInitializedError",
+    "PeerLostError", "ProtocolError", "TensorMismatchError", "barrier", "broadcast", "broadcast_async",
+    "declare", "init", "is_initialized", "load_config", "local_rank", "local_size", "poll", "push_pull",
+    "push_pull_async", "rank", "server_stats", "shutdown", "size", "synchronize",
+]

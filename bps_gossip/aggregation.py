@@ -1,0 +1,93 @@
+"""The server's aggregation rounds: one buffer per (key, partition, round number).
+
+The first push of a round fixes its signature (dtype, full shape, operation) and its
+byte size; a push that disagrees fails the round for every participant with a
+message naming the tensor, the ranks and both signatures. Summation itself is
+plain numpy (it releases the GIL, so a thread pool runs several at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+RoundId = tuple[int, int, int]  # (key, partition, round number)
+
+
+@dataclasses.dataclass
+class Push:
+    """One worker's contribution to a round."""
+
+    rank: int
+    route: bytes
+    req: int
+
+
+def describe_signature(sig: dict[str, Any]) -> str:
+    """'float32 (3, 4) sum' style text for error messages."""
+    return f"{sig['dtype']} {tuple(sig['shape'])} {sig['kind']}"
+
+
+class Round:
+    """Accumulates the pushes of one partition of one tensor for one round."""
+
+    def __init__(
+        self, rid: RoundId, name: str, sig: dict[str, Any], wire: str, count: int, expected: int
+    ) -> None:
+        self.rid = rid
+        self.expected = expected
+        self.name = name
+        self.sig = sig
+        self.wire = np.dtype(wire)
+        self.count = count
+        self.pushes: dict[int, Push] = {}
+        self.acc: np.ndarray | None = None
+        self.added = 0
+        self.error: str | None = None
+        self.lock = threading.Lock()
+        self.created = time.monotonic()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this partition's payload."""
+        return self.count * self.wire.itemsize
+
+    def mismatch(self, rank: int, sig: dict[str, Any], wire: str, count: int) -> str | None:
+        """The error text if a push from ``rank`` disagrees with the round, else None."""
+        if sig == self.sig and np.dtype(wire) == self.wire and count == self.count:
+            return None
+        first = min(self.pushes) if self.pushes else "?"
+        return (
+            f"tensor {self.name!r}: rank {first} pushed {describe_signature(self.sig)} but rank {rank} "
+            f"pushed {describe_signature(sig)}; every rank must push the same shape, dtype and operation"
+        )
+
+    def add(self, payload: memoryview | bytes) -> bool:
+        """Add one payload into the accumulator; return True when this was the last one."""
+        data = np.frombuffer(payload, dtype=self.wire, count=self.count)
+        with self.lock:
+            if self.acc is None:
+                self.acc = data.copy()
+            else:
+                np.add(self.acc, data, out=self.acc)
+            self.added += 1
+            return self.added == self.expected
+
+
+def validate_push(header: dict[str, Any], payload_len: int) -> tuple[dict[str, Any], str, int]:
+    """Check a push header's fields and payload size; return (signature, wire dtype, count).
+
+    Raises ValueError (with the reason) for a malformed push.
+    """
+    sig = {"dtype": str(header["dtype"]), "shape": [int(d) for d in header["shape"]], "kind": str(header["kind"])}
+    wire = np.dtype(str(header["wire"]))
+    if wire.kind not in "fiub":
+        raise ValueError(f"unsupported wire dtype {wire}")
+    count = int(header["count"])
+    if count < 0 or count * wire.itemsize != payload_len:
+        raise ValueError(f"payload of {payload_len} bytes does not hold {count} x {wire}")
+    return sig, wire.str, count

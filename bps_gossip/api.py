@@ -1,0 +1,260 @@
+"""The public core API: numpy arrays in, numpy arrays out.
+
+``init()`` joins the job described by the environment (see :mod:`bps_gossip.config`);
+with one worker and no BYTEPS_FORCE_DISTRIBUTED it runs alone, without servers, as
+BytePS does. Every collective names its tensor; the name, not the call order,
+identifies it on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+from .config import Config, load_config
+from .errors import ConfigError, NotInitializedError
+from .worker.engine import Engine, Operation
+from .worker.handle import Handle
+from .worker.tensors import bits_dtype, check_array, check_name, check_out, key_of, partitions
+
+
+@dataclasses.dataclass
+class _Runtime:
+    config: Config
+    engine: Engine | None
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    generation: int
+    declared: dict[str, int] = dataclasses.field(default_factory=dict)
+    keys: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+_runtime: _Runtime | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _rt(where: str) -> _Runtime:
+    runtime = _runtime
+    if runtime is None:
+        raise NotInitializedError(f"{where}: bps_gossip is not initialized; call init() first")
+    return runtime
+
+
+def init(config: Config | None = None) -> None:
+    """Join the job: register with the scheduler and wait for every worker and server.
+
+    Reads the environment when ``config`` is None. Calling it again is a no-op.
+    Raises ConfigError for a bad environment and CommTimeoutError when the scheduler
+    does not answer within BPS_GOSSIP_TIMEOUT.
+    """
+    global _runtime, _atexit_registered
+    with _lock:
+        if _runtime is not None:
+            return
+        config = load_config() if config is None else config
+        if config.role != "worker":
+            raise ConfigError(
+                f"DMLC_ROLE={config.role}: init() is for workers; start a {config.role} with "
+                f"'DMLC_ROLE={config.role} bpslaunch'"
+            )
+        if config.distributed:
+            engine = Engine(config)
+            book = engine.start()
+            _runtime = _Runtime(config, engine, book.rank, book.size, book.local_rank,
+                                book.local_size, book.generation)
+        else:
+            _runtime = _Runtime(config, None, 0, 1, 0, 1, 0)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Leave the job. Pending operations fail; the scheduler and servers exit once every
+    worker has shut down. Safe to call twice."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is not None and runtime.engine is not None:
+        runtime.engine.stop()
+
+
+def is_initialized() -> bool:
+    """True between init() and shutdown()."""
+    return _runtime is not None
+
+
+def rank() -> int:
+    """This worker's rank in [0, size())."""
+    return _rt("rank()").rank
+
+
+def size() -> int:
+    """The number of worker processes in the job."""
+    return _rt("size()").size
+
+
+def local_rank() -> int:
+    """This worker's rank among the workers of its machine."""
+    return _rt("local_rank()").local_rank
+
+
+def local_size() -> int:
+    """The number of worker processes on this machine."""
+    return _rt("local_size()").local_size
+
+
+def declare(name: str) -> int:
+    """Declare a tensor name and return its key. Optional: collectives declare implicitly,
+    and the order of declarations does not matter (keys come from the names)."""
+    runtime = _rt("declare()")
+    check_name(name, "declare")
+    key = runtime.declared.get(name)
+    if key is None:
+        key = key_of(name)
+        other = runtime.keys.get(key)
+        if other is not None and other != name:
+            raise ConfigError(f"tensor names {other!r} and {name!r} hash to the same key; rename one")
+        runtime.declared[name] = key
+        runtime.keys[key] = name
+    return key
+
+
+def _local_result(array: np.ndarray, out: np.ndarray | None, what: str) -> Handle:
+    result = np.array(array, copy=True) if out is None else out
+    if out is not None and out is not array:
+        np.copyto(out, array)
+    handle = Handle(what)
+    handle.set_result(result)
+    return handle
+
+
+def _submit(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, send: np.ndarray,
+            out: np.ndarray, wire: np.dtype, priority: int, finish: Any, what: str) -> Handle:
+    engine = runtime.engine
+    assert engine is not None
+    handle = Handle(what)
+    op = Operation(
+        handle=handle, name=name, key=declare(name), seq=engine.next_seq(name),
+        sig={"dtype": str(array.dtype), "shape": list(array.shape), "kind": sig_kind},
+        send=send, out=out.reshape(-1).view(wire), result=out,
+        parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
+        priority=int(priority), finish=finish,
+    )
+    engine.submit("op", op)
+    return handle
+
+
+def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
+                    version: int = 0, out: np.ndarray | None = None) -> Handle:
+    """Start a push_pull of ``array`` under ``name``; return a handle for ``synchronize``.
+
+    Every worker pushes its array; each gets the sum (or the mean with ``average``; for
+    integer dtypes the mean is floor-divided). ``out`` receives the result (``out=array``
+    works in place); otherwise a new array is made. Do not change ``array`` before the
+    handle completes. ``version`` is accepted for BytePS compatibility and not used:
+    rounds are matched by how many times each rank has used the name.
+    """
+    runtime = _rt("push_pull")
+    check_name(name, "push_pull")
+    check_array(array, name, "push_pull")
+    if out is not None:
+        check_out(out, array, name, "push_pull")
+    what = f"push_pull({name!r})"
+    if runtime.engine is None:
+        return _local_result(array, out, what)
+    if out is None:
+        out = np.empty(array.shape, array.dtype)
+    send = np.ascontiguousarray(array).reshape(-1)
+    finish = None
+    if average and runtime.size > 1:
+        divide = np.floor_divide if array.dtype.kind in "iu" else np.true_divide
+        size = runtime.size
+
+        def finish() -> None:
+            divide(out, out.dtype.type(size), out=out)
+
+    return _submit(runtime, name, "mean" if average else "sum", array, send, out, array.dtype,
+                   priority, finish, what)
+
+
+def push_pull(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
+              version: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """Blocking push_pull: the sum (or mean) of ``array`` over all workers. See push_pull_async."""
+    return synchronize(push_pull_async(array, name, average, priority, version, out))
+
+
+def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
+                    out: np.ndarray | None = None, priority: int = 0) -> Handle:
+    """Start a broadcast of root_rank's ``array``: non-root ranks push zeros, all sum.
+
+    The sum runs on the raw bits (as unsigned integers), so the result is bit-exact for
+    every dtype, -0.0 and NaN payloads included.
+    """
+    runtime = _rt("broadcast")
+    check_name(name, "broadcast")
+    check_array(array, name, "broadcast")
+    if out is not None:
+        check_out(out, array, name, "broadcast")
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) \
+            or not 0 <= root_rank < runtime.size:
+        raise ValueError(
+            f"broadcast({name!r}): root_rank={root_rank!r} is not a rank of this job (size {runtime.size}) "
+            f"[on rank {runtime.rank}]"
+        )
+    what = f"broadcast({name!r}, root_rank={root_rank})"
+    if runtime.engine is None:
+        return _local_result(array, out, what)
+    if out is None:
+        out = np.empty(array.shape, array.dtype)
+    wire = bits_dtype(array.dtype)
+    if runtime.rank == root_rank:
+        send = np.ascontiguousarray(array).reshape(-1).view(wire)
+    else:
+        send = np.zeros(array.size, dtype=wire)
+    return _submit(runtime, name, f"broadcast from root {int(root_rank)}", array, send, out, wire,
+                   priority, None, what)
+
+
+def broadcast(array: np.ndarray, name: str, root_rank: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """Blocking broadcast: every rank gets root_rank's ``array`` bit for bit."""
+    return synchronize(broadcast_async(array, name, root_rank, out))
+
+
+def poll(handle: Handle) -> bool:
+    """True when the operation behind ``handle`` has finished (successfully or not)."""
+    return handle.done()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle``; return its result or raise its error."""
+    runtime = _runtime
+    timeout = 3 * runtime.config.timeout + 10 if runtime is not None else 60.0
+    return handle.wait(timeout)
+
+
+def barrier() -> None:
+    """Block until every worker has reached the barrier."""
+    runtime = _rt("barrier")
+    if runtime.engine is None:
+        return
+    handle = Handle("barrier()")
+    runtime.engine.submit("barrier", handle)
+    synchronize(handle)
+
+
+def server_stats() -> list[dict[str, Any]]:
+    """Per-server counters (which keys and partitions each server summed); for tests and tuning."""
+    runtime = _rt("server_stats")
+    if runtime.engine is None:
+        return []
+    handle = Handle("server_stats()")
+    runtime.engine.submit("stats", handle)
+    return synchronize(handle)

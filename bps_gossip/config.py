@@ -1,0 +1,209 @@
+"""Every environment variable bps_gossip reads, parsed in one place into one frozen object.
+
+BytePS / ps-lite names are used where BytePS has the knob; new knobs are BPS_GOSSIP_*.
+A bad value raises :class:`ConfigError` naming the variable and the value.
+
+Sizes follow BytePS: DMLC_NUM_WORKER counts worker *machines* (groups) and
+BYTEPS_LOCAL_SIZE the worker processes on each, so the job's size is their product
+when every machine runs the same number of processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+
+from .errors import ConfigError
+
+ROLES = ("worker", "server", "scheduler")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The parsed environment of one process (worker, server or scheduler)."""
+
+    role: str = "worker"
+    num_worker: int = 1
+    num_server: int = 1
+    root_uri: str = "127.0.0.1"
+    root_port: int | None = None
+    worker_id: int | None = None
+    node_host: str = "127.0.0.1"
+    local_rank: int = 0
+    local_size: int = 1
+    partition_bytes: int = 4096000
+    scheduling_credit: int = 4
+    server_engine_threads: int = 2
+    log_level: str = "WARNING"
+    force_distributed: bool = False
+    min_compress_bytes: int = 0
+    timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    port: int = 0
+
+    @property
+    def scheduler_address(self) -> str:
+        """The ZeroMQ endpoint of the scheduler."""
+        return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @property
+    def distributed(self) -> bool:
+        """True when this worker must talk to servers (more than one worker, or forced)."""
+        return self.force_distributed or self.num_worker * self.local_size > 1
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value != "" else None
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int | None = None) -> int | None:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, positive: bool = True) -> float:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number (seconds)") from None
+    if positive and not value > 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+def _host(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    if any(c.isspace() for c in raw) or "/" in raw or ":" in raw and not _is_ip(raw):
+        raise ConfigError(f"{name}={raw!r} is not a host name or IP address")
+    return raw
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _default_node_host(root_uri: str) -> str:
+    if _is_loopback(root_uri):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """Parse ``env`` (default: ``os.environ``) into a :class:`Config`.
+
+    Raises :class:`ConfigError` naming the first variable with a bad value.
+    """
+    env = os.environ if env is None else env
+    role = (_get(env, "DMLC_ROLE") or "worker").lower()
+    if role not in ROLES:
+        raise ConfigError(f"DMLC_ROLE={env.get('DMLC_ROLE')!r} must be one of {', '.join(ROLES)}")
+    num_worker = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
+    num_server = _int(env, "DMLC_NUM_SERVER", 1, minimum=0)
+    root_uri = _host(env, "DMLC_PS_ROOT_URI", "127.0.0.1")
+    root_port = _int(env, "DMLC_PS_ROOT_PORT", None, minimum=1)
+    if root_port is not None and root_port > 65535:
+        raise ConfigError(f"DMLC_PS_ROOT_PORT={root_port} is not a TCP port (1-65535)")
+    local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, minimum=1)
+    local_rank = _int(env, "BYTEPS_LOCAL_RANK", 0, minimum=0)
+    if local_rank >= local_size:
+        raise ConfigError(
+            f"BYTEPS_LOCAL_RANK={local_rank} must be smaller than BYTEPS_LOCAL_SIZE={local_size}"
+        )
+    worker_id = _int(env, "DMLC_WORKER_ID", None, minimum=0)
+    if worker_id is not None and worker_id >= num_worker:
+        raise ConfigError(f"DMLC_WORKER_ID={worker_id} must be smaller than DMLC_NUM_WORKER={num_worker}")
+    log_level = (_get(env, "BYTEPS_LOG_LEVEL") or "WARNING").upper()
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"BYTEPS_LOG_LEVEL={env.get('BYTEPS_LOG_LEVEL')!r} must be one of {', '.join(LOG_LEVELS)}")
+    heartbeat_interval = _float(env, "BPS_GOSSIP_HEARTBEAT_INTERVAL", 1.0)
+    heartbeat_timeout = _float(env, "BPS_GOSSIP_HEARTBEAT_TIMEOUT", 10.0)
+    if heartbeat_timeout <= heartbeat_interval:
+        raise ConfigError(
+            f"BPS_GOSSIP_HEARTBEAT_TIMEOUT={heartbeat_timeout} must exceed "
+            f"BPS_GOSSIP_HEARTBEAT_INTERVAL={heartbeat_interval}"
+        )
+    port = _int(env, "BPS_GOSSIP_PORT", 0, minimum=0)
+    if port > 65535:
+        raise ConfigError(f"BPS_GOSSIP_PORT={port} is not a TCP port (0-65535)")
+    config = Config(
+        role=role,
+        num_worker=num_worker,
+        num_server=num_server,
+        root_uri=root_uri,
+        root_port=root_port,
+        worker_id=worker_id,
+        node_host=_host(env, "DMLC_NODE_HOST", _default_node_host(root_uri)),
+        local_rank=local_rank,
+        local_size=local_size,
+        partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
+        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
+        server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
+        log_level=log_level,
+        force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
+        min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 0, minimum=0),
+        timeout=_float(env, "BPS_GOSSIP_TIMEOUT", 60.0),
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        port=port,
+    )
+    if role != "worker" or config.distributed:
+        if root_port is None:
+            raise ConfigError(
+                f"DMLC_PS_ROOT_PORT is not set (needed by the {role} to reach the scheduler "
+                f"at DMLC_PS_ROOT_URI={root_uri})"
+            )
+        if num_server < 1:
+            raise ConfigError("DMLC_NUM_SERVER must be >= 1 for a distributed job")
+    return config

@@ -1,0 +1,156 @@
+"""Who is in the job: registration, rank assignment and the generation number.
+
+Pure bookkeeping, no sockets, so that it can change (elastic jobs) in one place.
+
+Worker ranks follow BytePS: workers are grouped by machine (DMLC_WORKER_ID, or the
+host when no id is given), a machine runs BYTEPS_LOCAL_SIZE processes, and
+rank = (offset of the machine) + BYTEPS_LOCAL_RANK.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass
+class Node:
+    """One registered process."""
+
+    uid: bytes
+    role: str
+    addr: str
+    host: str
+    pid: int
+    worker_id: int | None = None
+    local_rank: int = 0
+    local_size: int = 1
+    peer_addr: str = ""
+    rank: int = -1
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    state: str = "alive"  # alive | left | lost
+
+    def describe(self) -> str:
+        """A short human label, e.g. 'worker rank 2 (pid 123 on 127.0.0.1)'."""
+        return f"{self.role} rank {self.rank} (pid {self.pid} on {self.host})"
+
+
+class Membership:
+    """The job's nodes and the address book handed out at every generation."""
+
+    def __init__(self, num_worker_groups: int, num_server: int) -> None:
+        self.num_worker_groups = num_worker_groups
+        self.num_server = num_server
+        self.nodes: dict[bytes, Node] = {}
+        self.generation = 0
+        self.started = False
+
+    # -- registration -------------------------------------------------------------
+    def add(self, node: Node) -> None:
+        """Add a registering node; raise ConfigError when it cannot fit this job."""
+        if self.started:
+            raise ConfigError(
+                f"the job already started with {len(self.workers())} workers and "
+                f"{len(self.servers())} servers; a late {node.role} (pid {node.pid} on {node.host}) "
+                "cannot join a job that is not elastic"
+            )
+        if node.role == "server" and len(self.servers()) >= self.num_server:
+            raise ConfigError(f"more servers registered than DMLC_NUM_SERVER={self.num_server}")
+        if node.role == "worker":
+            group = self._group_of(node)
+            for other in self.workers():
+                if self._group_of(other) != group:
+                    continue
+                if other.local_rank == node.local_rank:
+                    raise ConfigError(
+                        f"two workers registered as BYTEPS_LOCAL_RANK={node.local_rank} of machine "
+                        f"{group!r} (pids {other.pid} and {node.pid}); give each machine its own DMLC_WORKER_ID"
+                    )
+                if other.local_size != node.local_size:
+                    raise ConfigError(
+                        f"workers of machine {group!r} disagree on BYTEPS_LOCAL_SIZE "
+                        f"({other.local_size} vs {node.local_size})"
+                    )
+            groups = {self._group_of(w) for w in self.workers()} | {group}
+            if len(groups) > self.num_worker_groups:
+                raise ConfigError(
+                    f"more worker machines registered than DMLC_NUM_WORKER={self.num_worker_groups}"
+                )
+        self.nodes[node.uid] = node
+
+    @staticmethod
+    def _group_of(node: Node) -> Any:
+        return node.worker_id if node.worker_id is not None else f"host:{node.host}"
+
+    def complete(self) -> bool:
+        """True when every expected server and worker process has registered."""
+        if len(self.servers()) != self.num_server:
+            return False
+        groups: dict[Any, list[Node]] = {}
+        for worker in self.workers():
+            groups.setdefault(self._group_of(worker), []).append(worker)
+        if len(groups) != self.num_worker_groups:
+            return False
+        return all(len(members) == members[0].local_size for members in groups.values())
+
+    def assign_ranks(self) -> None:
+        """Give every node its rank and open generation 1."""
+        groups: dict[Any, list[Node]] = {}
+        for worker in self.workers():
+            groups.setdefault(self._group_of(worker), []).append(worker)
+        offset = 0
+        for key in sorted(groups, key=lambda k: (isinstance(k, str), k)):
+            for worker in sorted(groups[key], key=lambda w: w.local_rank):
+                worker.rank = offset + worker.local_rank
+            offset += len(groups[key])
+        for index, server in enumerate(sorted(self.servers(), key=lambda s: s.addr)):
+            server.rank = index
+        now = time.monotonic()
+        for node in self.nodes.values():
+            node.last_seen = now  # rendezvous may have taken longer than a heartbeat timeout
+        self.started = True
+        self.generation += 1
+
+    # -- views --------------------------------------------------------------------
+    def workers(self, state: str | None = None) -> list[Node]:
+        """Worker nodes, optionally only those in ``state``, in rank order."""
+        nodes = [n for n in self.nodes.values() if n.role == "worker" and (state is None or n.state == state)]
+        return sorted(nodes, key=lambda n: n.rank)
+
+    def servers(self, state: str | None = None) -> list[Node]:
+        """Server nodes, optionally only those in ``state``, in rank order."""
+        nodes = [n for n in self.nodes.values() if n.role == "server" and (state is None or n.state == state)]
+        return sorted(nodes, key=lambda n: n.rank)
+
+    def book(self) -> dict[str, Any]:
+        """The address book every node receives: generation, servers and workers by rank."""
+        return {
+            "generation": self.generation,
+            "servers": [s.addr for s in self.servers()],
+            "workers": [
+                {
+                    "rank": w.rank,
+                    "addr": w.peer_addr,
+                    "host": w.host,
+                    "pid": w.pid,
+                    "local_rank": w.local_rank,
+                    "local_size": w.local_size,
+                }
+                for w in self.workers()
+            ],
+        }
+
+    def mark(self, uid: bytes, state: str) -> Node | None:
+        """Set a node's state to 'left' or 'lost'; return it if it was alive."""
+        node = self.nodes.get(uid)
+        if node is None or node.state != "alive":
+            return None
+        node.state = state
+        return node
+
+    def all_workers_gone(self) -> bool:
+        """True once the job started and no worker is alive."""
+        return self.started and not self.workers("alive")

@@ -1,0 +1,190 @@
+"""The scheduler: rendezvous, ranks, address book, barriers, heartbeats.
+
+It binds DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT with one ROUTER socket. Every server and
+worker registers; when all are in, each gets the address book and its rank. Nodes
+that stop heart-beating are declared lost, and every other node is told at once so
+that nobody waits for the dead. Once every worker has left or died, the scheduler
+tells the servers to terminate and exits (BytePS issue #264: its scheduler never did).
+
+Run it with ``DMLC_ROLE=scheduler bpslaunch`` or ``python -m bps_gossip.scheduler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from .config import Config, load_config
+from .errors import BpsGossipError, ConfigError, ProtocolError
+from .logs import get_logger
+from .membership import Membership, Node
+from .transport import recv_message, send_message
+
+
+class Scheduler:
+    """The scheduler's state and its single-threaded event loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log = get_logger("scheduler", config.log_level)
+        self.members = Membership(config.num_worker, config.num_server)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        host = socket.gethostbyname(config.root_uri)
+        self.sock.bind(f"tcp://{host}:{config.root_port}")
+        self.barriers: dict[int, set[bytes]] = {}
+        self.running = True
+
+    # -- sending ------------------------------------------------------------------
+    def _send(self, uid: bytes, header: dict[str, Any]) -> None:
+        try:
+            send_message(self.sock, header, route=uid)
+        except zmq.ZMQError as exc:
+            self.log.warning("could not send %s to %r: %s", header.get("op"), uid, exc)
+
+    def _tell_everyone(self, header: dict[str, Any], skip: bytes | None = None) -> None:
+        for node in self.members.nodes.values():
+            if node.state == "alive" and node.uid != skip:
+                self._send(node.uid, header)
+
+    # -- handlers -----------------------------------------------------------------
+    def _on_register(self, uid: bytes, msg: dict[str, Any]) -> None:
+        for var, mine in (("DMLC_NUM_WORKER", self.config.num_worker), ("DMLC_NUM_SERVER", self.config.num_server)):
+            theirs = msg.get(var)
+            if theirs != mine:
+                self._send(uid, {"op": "refused", "why": f"{var}={theirs} at the {msg.get('role')} but {mine} at the scheduler"})
+                return
+        try:
+            node = Node(
+                uid=uid,
+                role=str(msg["role"]),
+                addr=str(msg.get("addr", "")),
+                host=str(msg.get("host", "")),
+                pid=int(msg.get("pid", 0)),
+                worker_id=msg.get("worker_id"),
+                local_rank=int(msg.get("local_rank", 0)),
+                local_size=int(msg.get("local_size", 1)),
+                peer_addr=str(msg.get("peer_addr", "")),
+            )
+            if node.role not in ("worker", "server"):
+                raise ConfigError(f"cannot register role {node.role!r}")
+            self.members.add(node)
+        except (KeyError, TypeError, ValueError) as exc:
+            self.log.error("refused registration from %r: %s", uid, exc)
+            self._send(uid, {"op": "refused", "why": str(exc)})
+            return
+        self.log.info("registered %s pid %s on %s", node.role, node.pid, node.host)
+        if self.members.complete():
+            self.members.assign_ranks()
+            book = self.members.book()
+            for member in self.members.nodes.values():
+                self._send(member.uid, {"op": "book", "rank": member.rank, "book": book})
+            self.log.info("rendezvous complete: generation %d, %d workers, %d servers",
+                          book["generation"], len(book["workers"]), len(book["servers"]))
+
+    def _on_barrier(self, uid: bytes, msg: dict[str, Any]) -> None:
+        seq = int(msg.get("seq", 0))
+        waiting = self.barriers.setdefault(seq, set())
+        waiting.add(uid)
+        alive = {w.uid for w in self.members.workers("alive")}
+        if alive <= waiting:
+            for member in waiting & alive:
+                self._send(member, {"op": "barrier_done", "seq": seq})
+            del self.barriers[seq]
+
+    def _on_gone(self, node: Node, how: str, reason: str) -> None:
+        """A node left (gracefully) or was lost: tell everyone, fail barriers it blocks."""
+        level = logging.WARNING if how == "lost" else logging.INFO
+        self.log.log(level, "%s %s: %s", node.describe(), how, reason)
+        notice = {"op": f"node_{how}", "role": node.role, "rank": node.rank, "pid": node.pid,
+                  "host": node.host, "why": reason}
+        self._tell_everyone(notice, skip=node.uid)
+        if node.role == "worker":
+            for seq, waiting in list(self.barriers.items()):
+                for member in waiting:
+                    self._send(member, {"op": "barrier_failed", "seq": seq,
+                                        "why": f"{node.describe()} {how} during barrier: {reason}"})
+                del self.barriers[seq]
+        if self.members.all_workers_gone():
+            self._terminate("every worker has shut down")
+
+    def _terminate(self, why: str) -> None:
+        self.log.info("terminating: %s", why)
+        for server in self.members.servers("alive"):
+            self._send(server.uid, {"op": "terminate", "why": why})
+        self.running = False
+
+    def _handle(self, uid: bytes, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        node = self.members.nodes.get(uid)
+        if node is not None:
+            node.last_seen = time.monotonic()
+        if op == "register":
+            self._on_register(uid, msg)
+        elif node is None or node.state != "alive":
+            self._send(uid, {"op": "refused", "why": "not a registered member of this job"})
+        elif op == "heartbeat":
+            self._send(uid, {"op": "hb_ack"})
+        elif op == "barrier":
+            self._on_barrier(uid, msg)
+        elif op == "leave":
+            self.members.mark(uid, "left")
+            self._send(uid, {"op": "bye"})
+            self._on_gone(node, "left", "shut down")
+        else:
+            raise ProtocolError(f"unknown op {op!r}")
+
+    def _check_heartbeats(self) -> None:
+        if not self.members.started:
+            return
+        now = time.monotonic()
+        for node in list(self.members.nodes.values()):
+            if node.state == "alive" and now - node.last_seen > self.config.heartbeat_timeout:
+                self.members.mark(node.uid, "lost")
+                self._on_gone(node, "lost", f"no heartbeat for {now - node.last_seen:.1f} s")
+
+    # -- loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until every worker has gone; then terminate the servers and return."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        tick = min(0.5, self.config.heartbeat_interval)
+        try:
+            while self.running:
+                if poller.poll(int(tick * 1000)):
+                    while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        try:
+                            uid, msg, _ = recv_message(self.sock, routed=True)
+                            self._handle(uid, msg)
+                        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                            self.log.warning("dropped a malformed message: %s", exc)
+                self._check_heartbeats()
+        finally:
+            self.sock.close(linger=1000)
+
+
+def main() -> int:
+    """Entry point: run the scheduler from the environment."""
+    try:
+        config = load_config()
+        Scheduler(config).run()
+    except BpsGossipError as exc:
+        print(f"bps_gossip scheduler: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:
+        print(f"bps_gossip scheduler: cannot bind DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

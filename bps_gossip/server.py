@@ -1,0 +1,304 @@
+"""The summation server.
+
+One ROUTER socket receives pushes from every worker; the IO thread acknowledges each
+push at once (the worker's credit), checks it against its round, and sums it, inline
+for small partitions and on a thread pool (BYTEPS_SERVER_ENGINE_THREAD) for large
+ones. When all workers of the generation have pushed, each gets the sum back.
+
+A push that disagrees with its round, a worker that died or left, and a round that
+stays incomplete past BPS_GOSSIP_TIMEOUT all end in an error reply to every
+participant: never a silent hang.
+
+Run it with ``DMLC_ROLE=server bpslaunch`` or ``python -m bps_gossip.server``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from .aggregation import Push, Round, RoundId, validate_push
+from .config import Config, load_config
+from .errors import BpsGossipError, CommTimeoutError, PeerLostError, ProtocolError
+from .logs import get_logger
+from .transport import bind_random_port, recv_message, send_message
+
+INLINE_BYTES = 256 * 1024  # below this, handing a sum to the pool costs more than it saves
+
+
+class Server:
+    """A server process: registration, the push/sum/reply loop, and its shutdown."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log = get_logger("server", config.log_level)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.addr = bind_random_port(self.sock, config.node_host, config.port)
+        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched.setsockopt(zmq.LINGER, 1000)
+        self.sched.setsockopt(zmq.IDENTITY, f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self.sched.connect(config.scheduler_address)
+        self.pool = ThreadPoolExecutor(config.server_engine_threads, thread_name_prefix="bps-sum")
+        self.done_r, self.done_w = os.pipe()
+        os.set_blocking(self.done_r, False)
+        self.done: queue.SimpleQueue[tuple[RoundId, str | None]] = queue.SimpleQueue()
+        self.rounds: dict[RoundId, Round] = {}
+        self.names: dict[int, str] = {}
+        self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
+        self.parts_seen: dict[int, set[int]] = {}
+        self.rounds_done = 0
+        self.size = 0
+        self.rank = -1
+        self.running = True
+        self.last_ack = time.monotonic()
+
+    # -- registration -------------------------------------------------------------
+    def register(self) -> None:
+        """Register with the scheduler and wait for the address book."""
+        send_message(self.sched, {
+            "op": "register", "role": "server", "addr": self.addr, "host": self.config.node_host,
+            "pid": os.getpid(), "DMLC_NUM_WORKER": self.config.num_worker,
+            "DMLC_NUM_SERVER": self.config.num_server,
+        })
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sched.poll(int(left * 1000)):
+                raise CommTimeoutError(
+                    f"server {self.addr}: no address book from the scheduler at "
+                    f"{self.config.scheduler_address} within {self.config.timeout:.1f} s "
+                    "(is it running, and did every worker register?)"
+                )
+            _, msg, _ = recv_message(self.sched, routed=False)
+            if msg["op"] == "refused":
+                raise ProtocolError(f"scheduler refused this server: {msg.get('why')}")
+            if msg["op"] == "book":
+                self.rank = int(msg["rank"])
+                self.size = len(msg["book"]["workers"])
+                self.log.info("server %d of the job at %s serves %d workers", self.rank, self.addr, self.size)
+                self.last_ack = time.monotonic()
+                return
+
+    # -- replies ------------------------------------------------------------------
+    def _reply(self, push: Push, header: dict[str, Any], payloads: tuple = ()) -> None:
+        header["req"] = push.req
+        try:
+            send_message(self.sock, header, payloads, route=push.route)
+        except zmq.ZMQError as exc:
+            self.log.warning("reply to rank %d failed: %s", push.rank, exc)
+
+    def _fail_round(self, rnd: Round, kind: str, why: str) -> None:
+        rnd.error = why
+        for push in rnd.pushes.values():
+            self._reply(push, {"op": "error", "kind": kind, "why": why})
+        if len(rnd.pushes) >= rnd.expected:
+            self.rounds.pop(rnd.rid, None)
+
+    def _finish(self, rnd: Round) -> None:
+        self.rounds.pop(rnd.rid, None)
+        if rnd.error is not None:
+            return
+        for push in rnd.pushes.values():
+            self._reply(push, {"op": "result"}, (rnd.acc,))
+        self.rounds_done += 1
+
+    # -- handlers -----------------------------------------------------------------
+    def _on_push(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        push = Push(rank=int(msg["rank"]), route=route, req=int(msg["req"]))
+        payload = frames[0] if frames else None
+        try:
+            sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
+            key, part, seq, name = int(msg["key"]), int(msg["part"]), int(msg["seq"]), str(msg["name"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
+            return
+        known = self.names.setdefault(key, name)
+        if known != name:
+            self._reply(push, {"op": "error", "kind": "protocol",
+                               "why": f"tensor names {known!r} and {name!r} hash to the same key {key}; rename one"})
+            return
+        if self.gone:
+            why = "; ".join(self.gone.values())
+            self._reply(push, {"op": "error", "kind": "lost",
+                               "why": f"tensor {name!r}: {why}; this job is not elastic, so it cannot go on"})
+            return
+        rid = (key, part, seq)
+        rnd = self.rounds.get(rid)
+        if rnd is None:
+            rnd = self.rounds[rid] = Round(rid, name, sig, wire, count, self.size)
+        elif push.rank in rnd.pushes:
+            self._reply(push, {"op": "error", "kind": "protocol",
+                               "why": f"tensor {name!r}: rank {push.rank} pushed partition {part} of round {seq} twice"})
+            return
+        if rnd.error is None:
+            rnd.error = rnd.mismatch(push.rank, sig, wire, count)
+            rnd.pushes[push.rank] = push
+            if rnd.error is not None:
+                self._fail_round(rnd, "mismatch", rnd.error)
+                return
+        else:
+            rnd.pushes[push.rank] = push
+            self._reply(push, {"op": "error", "kind": "mismatch", "why": rnd.error})
+            if len(rnd.pushes) >= rnd.expected:
+                self.rounds.pop(rid, None)
+            return
+        self.parts_seen.setdefault(key, set()).add(part)
+        if rnd.nbytes <= INLINE_BYTES:
+            if rnd.add(payload.buffer):
+                self._finish(rnd)  # the result doubles as this push's acknowledgement
+                return
+        else:
+            self.pool.submit(self._add_on_pool, rnd, payload)
+        self._reply(push, {"op": "ack"})
+
+    def _add_on_pool(self, rnd: Round, payload: zmq.Frame) -> None:
+        try:
+            if rnd.add(payload.buffer):
+                self.done.put((rnd.rid, None))
+                os.write(self.done_w, b".")
+        except Exception as exc:  # report on the IO thread instead of dying silently
+            self.done.put((rnd.rid, f"summation failed: {exc!r}"))
+            os.write(self.done_w, b".")
+
+    def _drain_done(self) -> None:
+        try:
+            os.read(self.done_r, 65536)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                rid, error = self.done.get_nowait()
+            except queue.Empty:
+                return
+            rnd = self.rounds.get(rid)
+            if rnd is None:
+                continue
+            if error is not None:
+                self._fail_round(rnd, "protocol", f"tensor {rnd.name!r}: {error}")
+            else:
+                self._finish(rnd)
+
+    def _on_worker_gone(self, msg: dict[str, Any], how: str) -> None:
+        rank = int(msg["rank"])
+        why = f"worker rank {rank} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
+        self.gone[rank] = why
+        for rnd in list(self.rounds.values()):
+            if rank not in rnd.pushes and rnd.error is None:
+                self._fail_round(rnd, "lost", f"tensor {rnd.name!r}: {why}")
+                self.rounds.pop(rnd.rid, None)
+
+    def _on_stats(self, route: bytes, msg: dict[str, Any]) -> None:
+        send_message(self.sock, {
+            "op": "stats", "req": msg.get("req"), "rank": self.rank,
+            "parts": {str(k): sorted(v) for k, v in self.parts_seen.items()},
+            "rounds_done": self.rounds_done, "open_rounds": len(self.rounds),
+        }, route=route)
+
+    def _on_scheduler(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        self.last_ack = time.monotonic()
+        if op == "terminate":
+            self.log.info("terminating: %s", msg.get("why"))
+            self.running = False
+        elif op in ("node_lost", "node_left") and msg.get("role") == "worker":
+            self._on_worker_gone(msg, "was lost" if op == "node_lost" else "left the job")
+
+    def _expire_rounds(self) -> None:
+        now = time.monotonic()
+        for rnd in list(self.rounds.values()):
+            if rnd.error is None and now - rnd.created > self.config.timeout:
+                missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+                self._fail_round(rnd, "timeout",
+                                 f"tensor {rnd.name!r} partition {rnd.rid[1]}: ranks {missing} did not push "
+                                 f"within {self.config.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
+                self.rounds.pop(rnd.rid, None)
+
+    # -- loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve pushes until the scheduler says terminate (or stops answering)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.done_r, zmq.POLLIN)
+        interval = self.config.heartbeat_interval
+        next_beat = time.monotonic()
+        try:
+            while self.running:
+                now = time.monotonic()
+                if now >= next_beat:
+                    send_message(self.sched, {"op": "heartbeat"})
+                    next_beat = now + interval
+                    self._expire_rounds()
+                    if now - self.last_ack > self.config.heartbeat_timeout:
+                        self.log.error("scheduler %s stopped answering for %.1f s; exiting",
+                                       self.config.scheduler_address, now - self.last_ack)
+                        return
+                events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+                if self.done_r in events:
+                    self._drain_done()
+                if self.sched in events:
+                    while self.sched.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        try:
+                            _, msg, _ = recv_message(self.sched, routed=False)
+                            self._on_scheduler(msg)
+                        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                            self.log.warning("dropped a malformed scheduler message: %s", exc)
+                if self.sock in events:
+                    self._drain_socket()
+        finally:
+            self.close()
+
+    def _drain_socket(self) -> None:
+        for _ in range(256):  # bounded, so the scheduler and the pool are served too
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                route, msg, frames = recv_message(self.sock, routed=True)
+                if msg["op"] == "push":
+                    self._on_push(route, msg, frames)
+                elif msg["op"] == "stats":
+                    self._on_stats(route, msg)
+                else:
+                    raise ProtocolError(f"unknown op {msg['op']!r}")
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                self.log.warning("dropped a malformed message: %s", exc)
+
+    def close(self) -> None:
+        """Stop the pool and close the sockets."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.sock.close(linger=0)
+        self.sched.close(linger=500)
+        os.close(self.done_r)
+        os.close(self.done_w)
+
+
+def main() -> int:
+    """Entry point: run one server from the environment."""
+    try:
+        config = load_config()
+        server = Server(config)
+        server.register()
+        server.run()
+    except (BpsGossipError, PeerLostError) as exc:
+        print(f"bps_gossip server: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:
+        print(f"bps_gossip server: socket error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

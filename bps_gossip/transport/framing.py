@@ -1,0 +1,64 @@
+"""Message framing: one small msgpack header frame, then zero-copy payload frames.
+
+On a ROUTER socket the peer's routing id comes first. Anything that does not parse
+as a header map is reported as :class:`ProtocolError`; callers drop it and log, so a
+malformed message never takes a server or the scheduler down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from ..errors import ProtocolError
+
+MAX_HEADER_BYTES = 1 << 20  # an address book for thousands of nodes still fits
+
+
+def send_message(
+    sock: zmq.Socket,
+    header: dict[str, Any],
+    payloads: Sequence[Any] = (),
+    route: bytes | None = None,
+) -> None:
+    """Send ``header`` and ``payloads`` (buffers, sent without copying) on ``sock``."""
+    frames: list[Any] = [] if route is None else [route]
+    frames.append(msgpack.packb(header, use_bin_type=True))
+    frames.extend(payloads)
+    sock.send_multipart(frames, copy=False)
+
+
+def recv_message(sock: zmq.Socket, routed: bool) -> tuple[bytes | None, dict[str, Any], list[zmq.Frame]]:
+    """Receive one message: (routing id or None, header, payload frames).
+
+    Raises ProtocolError for a message that is not ours; the caller decides to drop it.
+    """
+    frames = sock.recv_multipart(copy=False)
+    route = None
+    if routed:
+        if len(frames) < 2:
+            raise ProtocolError("message without a header frame")
+        route = frames[0].bytes
+        frames = frames[1:]
+    head = frames[0]
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(head.buffer, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise ProtocolError("header is not a map with an 'op' string")
+    return route, header, frames[1:]
+
+
+def bind_random_port(sock: zmq.Socket, host: str, port: int = 0) -> str:
+    """Bind ``sock`` on ``host`` (a free port when ``port`` is 0); return the endpoint."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+    bound = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{bound}"

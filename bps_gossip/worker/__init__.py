@@ -1,0 +1,1 @@
+"""The worker side of bps_gossip: engine, handles, tensor checks."""

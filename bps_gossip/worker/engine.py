@@ -1,0 +1,445 @@
+"""The worker's communication engine: one background thread owns every socket.
+
+API calls (any thread) put work in an inbox and wake the engine through a pipe; they
+get a :class:`Handle` back. The engine splits tensors into partitions, spreads them
+over the servers ((key + partition) mod servers), sends them in priority order
+(BytePS: larger priority first) with at most BYTEPS_SCHEDULING_CREDIT partitions
+not yet acknowledged, copies each partition's sum into the output as it arrives,
+and completes the handle when the last one is in.
+
+Servers acknowledge a push on receipt, so credits measure data in transit, not
+rounds waiting for slower workers: two workers that enqueue tensors in different
+orders can never deadlock each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..config import Config
+from ..errors import (
+    BpsGossipError,
+    CommTimeoutError,
+    ConfigError,
+    NotInitializedError,
+    PeerLostError,
+    ProtocolError,
+    TensorMismatchError,
+)
+from ..logs import get_logger
+from ..transport import bind_random_port, recv_message, send_message
+from .handle import Handle
+
+_ERROR_KINDS: dict[str, type[BpsGossipError]] = {
+    "mismatch": TensorMismatchError,
+    "lost": PeerLostError,
+    "timeout": CommTimeoutError,
+    "protocol": ProtocolError,
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Operation:
+    """One push_pull in flight: what to send, where the sum goes, and what is left."""
+
+    handle: Handle
+    name: str
+    key: int
+    seq: int
+    sig: dict[str, Any]
+    send: np.ndarray  # flat, contiguous, wire dtype
+    out: np.ndarray  # flat view of the result, wire dtype
+    result: Any  # what the handle returns
+    parts: list[tuple[int, int]]
+    priority: int
+    finish: Any = None  # callable run on the engine thread after the last partition
+    remaining: int = 0
+    failed: bool = False
+    deadline: float = 0.0
+    reqs: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Book:
+    """What the scheduler told this worker at rendezvous."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    generation: int
+    servers: list[str]
+    workers: list[dict[str, Any]]
+
+
+class Engine:
+    """Owns the worker's sockets on a background thread; see the module docstring."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log = get_logger("worker", config.log_level)
+        self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self.book: Book | None = None
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._broken: BpsGossipError | None = None
+        self._seqs: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
+        self._order = itertools.count()
+        self._req_ids = itertools.count(1)
+        self._heap: list[tuple[int, int, Operation, int]] = []
+        self._reqs: dict[int, tuple[Operation, int]] = {}
+        self._unacked: dict[int, int] = {}  # req -> server index
+        self._pending: set[Operation] = set()
+        self._barriers: dict[int, Handle] = {}
+        self._barrier_seq = 0
+        self._stats: dict[int, tuple[Handle, list[Any]]] = {}
+        self._lost_servers: dict[int, str] = {}
+        self._running = True
+        self._thread = threading.Thread(target=self._main, name="bps-gossip-engine", daemon=True)
+
+    # ------------------------------------------------------------------ API side
+    def start(self) -> Book:
+        """Start the engine thread, register, and return the address book (blocks)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._init_error is not None:
+            self._thread.join(timeout=5)
+            raise self._init_error
+        assert self.book is not None
+        return self.book
+
+    def next_seq(self, name: str) -> int:
+        """The round number of this rank's next operation on ``name``."""
+        with self._seq_lock:
+            seq = self._seqs.get(name, 0)
+            self._seqs[name] = seq + 1
+            return seq
+
+    def submit(self, kind: str, payload: Any) -> None:
+        """Hand work to the engine thread."""
+        if not self._running:
+            raise NotInitializedError("bps_gossip was shut down; call init() again first")
+        self._inbox.put((kind, payload))
+        os.write(self._wake_w, b".")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Leave the job gracefully and stop the engine thread."""
+        if not self._running:
+            return
+        handle = Handle("shutdown")
+        self.submit("stop", handle)
+        try:
+            handle.wait(timeout)
+        except BpsGossipError as exc:
+            self.log.warning("shutdown: %s", exc)
+        self._running = False
+        self._thread.join(timeout)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        self.ctx = zmq.Context.instance()
+        self.servers: list[zmq.Socket] = []
+        try:
+            self._register()
+        except BaseException as exc:  # reported to start()'s caller
+            self._init_error = exc
+            self._close_sockets()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.log.exception("engine thread crashed")
+            self._fail_everything(PeerLostError(f"bps_gossip engine crashed: {exc!r}"))
+        finally:
+            self._close_sockets()
+
+    def _register(self) -> None:
+        cfg = self.config
+        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched.setsockopt(zmq.LINGER, 0)
+        self.sched.setsockopt(zmq.IDENTITY, self.uid)
+        self.sched.connect(cfg.scheduler_address)
+        self.peer = self.ctx.socket(zmq.ROUTER)  # gossip peer channel
+        self.peer.setsockopt(zmq.LINGER, 0)
+        peer_addr = bind_random_port(self.peer, cfg.node_host)
+        send_message(self.sched, {
+            "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(),
+            "worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "local_size": cfg.local_size,
+            "peer_addr": peer_addr, "DMLC_NUM_WORKER": cfg.num_worker, "DMLC_NUM_SERVER": cfg.num_server,
+        })
+        deadline = time.monotonic() + cfg.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sched.poll(int(left * 1000)):
+                raise CommTimeoutError(
+                    f"worker pid {os.getpid()}: no answer from the scheduler at {cfg.scheduler_address} "
+                    f"within {cfg.timeout:.1f} s (check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, and that all "
+                    f"DMLC_NUM_WORKER={cfg.num_worker} x BYTEPS_LOCAL_SIZE workers and "
+                    f"DMLC_NUM_SERVER={cfg.num_server} servers started)"
+                )
+            _, msg, _ = recv_message(self.sched, routed=False)
+            if msg["op"] == "refused":
+                raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
+            if msg["op"] == "book":
+                break
+        book = msg["book"]
+        rank = int(msg["rank"])
+        me = book["workers"][rank]
+        self.book = Book(rank=rank, size=len(book["workers"]), local_rank=me["local_rank"],
+                         local_size=me["local_size"], generation=book["generation"],
+                         servers=list(book["servers"]), workers=list(book["workers"]))
+        for addr in self.book.servers:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.uid)
+            sock.connect(addr)
+            self.servers.append(sock)
+        self._last_sched = time.monotonic()
+
+    def _close_sockets(self) -> None:
+        for sock in [*self.servers, getattr(self, "sched", None), getattr(self, "peer", None)]:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        for sock in self.servers:
+            poller.register(sock, zmq.POLLIN)
+        interval = self.config.heartbeat_interval
+        next_beat = 0.0
+        while self._running:
+            now = time.monotonic()
+            if now >= next_beat:
+                send_message(self.sched, {"op": "heartbeat"})
+                next_beat = now + interval
+                self._check_deadlines(now)
+            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+            events = dict(poller.poll(min(wait_ms, 200)))
+            if self._wake_r in events:
+                self._drain_inbox()
+            if self.sched in events:
+                self._drain(self.sched, self._on_scheduler)
+            for index, sock in enumerate(self.servers):
+                if sock in events:
+                    self._drain(sock, lambda msg, frames, i=index: self._on_server(i, msg, frames))
+            self._dispatch()
+
+    def _drain(self, sock: zmq.Socket, handler: Any) -> None:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                _, msg, frames = recv_message(sock, routed=False)
+                handler(msg, frames)
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                self.log.warning("dropped a malformed message: %s", exc)
+
+    # ------------------------------------------------------------------ inbox
+    def _drain_inbox(self) -> None:
+        try:
+            os.read(self._wake_r, 65536)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "stop":
+                self._leave(payload)
+                return
+            if self._broken is not None:
+                handle = payload.handle if isinstance(payload, Operation) else payload
+                handle.set_error(self._broken)
+                continue
+            if kind == "op":
+                self._enqueue(payload)
+            elif kind == "barrier":
+                self._barrier_seq += 1
+                self._barriers[self._barrier_seq] = payload
+                send_message(self.sched, {"op": "barrier", "seq": self._barrier_seq})
+            elif kind == "stats":
+                req = next(self._req_ids)
+                self._stats[req] = (payload, [None] * len(self.servers))
+                for sock in self.servers:
+                    send_message(sock, {"op": "stats", "req": req})
+
+    def _enqueue(self, op: Operation) -> None:
+        op.remaining = len(op.parts)
+        op.deadline = time.monotonic() + self._op_timeout()
+        self._pending.add(op)
+        for index in range(len(op.parts)):
+            heapq.heappush(self._heap, (-op.priority, next(self._order), op, index))
+
+    def _op_timeout(self) -> float:
+        # The server reports rounds that stay incomplete after BPS_GOSSIP_TIMEOUT with the
+        # missing ranks; this backstop only fires when a server itself does not answer.
+        return self.config.timeout + 2 * self.config.heartbeat_interval + 1.0
+
+    def _dispatch(self) -> None:
+        credit = self.config.scheduling_credit
+        while self._heap and len(self._unacked) < credit:
+            _, _, op, index = heapq.heappop(self._heap)
+            if op.failed:
+                continue
+            server = (op.key + index) % len(self.servers)
+            if server in self._lost_servers:
+                self._fail(op, PeerLostError(f"push_pull {op.name!r}: {self._lost_servers[server]}"))
+                continue
+            offset, count = op.parts[index]
+            req = next(self._req_ids)
+            self._reqs[req] = (op, index)
+            self._unacked[req] = server
+            op.reqs.add(req)
+            header = {
+                "op": "push", "req": req, "rank": self.book.rank, "key": op.key, "name": op.name,
+                "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
+                "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"],
+            }
+            send_message(self.servers[server], header, (op.send[offset:offset + count],))
+
+    # ------------------------------------------------------------------ replies
+    def _on_server(self, index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        op_name = msg["op"]
+        req = int(msg.get("req") or 0)
+        if op_name == "stats":
+            self._on_stats(index, req, msg)
+            return
+        self._unacked.pop(req, None)  # a result or an error also acknowledges the push
+        if op_name == "ack":
+            return
+        entry = self._reqs.pop(req, None)
+        if entry is None:
+            return  # a reply for an operation that already failed
+        op, part = entry
+        op.reqs.discard(req)
+        if op_name == "error":
+            kind = _ERROR_KINDS.get(msg.get("kind"), BpsGossipError)
+            self._fail(op, kind(f"{msg.get('why')} [on rank {self.book.rank}]"))
+            return
+        if op_name != "result":
+            raise ProtocolError(f"unknown reply {op_name!r} from server {index}")
+        offset, count = op.parts[part]
+        if count:
+            op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
+        op.remaining -= 1
+        op.deadline = time.monotonic() + self._op_timeout()
+        if op.remaining == 0:
+            self._pending.discard(op)
+            try:
+                if op.finish is not None:
+                    op.finish()
+            except Exception as exc:  # noqa: BLE001 - reported through the handle
+                op.handle.set_error(exc)
+                return
+            op.handle.set_result(op.result)
+
+    def _on_stats(self, index: int, req: int, msg: dict[str, Any]) -> None:
+        entry = self._stats.get(req)
+        if entry is None:
+            return
+        handle, replies = entry
+        replies[index] = {k: v for k, v in msg.items() if k not in ("op", "req")}
+        if all(r is not None for r in replies):
+            del self._stats[req]
+            handle.set_result(replies)
+
+    def _on_scheduler(self, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        self._last_sched = time.monotonic()
+        op = msg["op"]
+        if op == "barrier_done":
+            handle = self._barriers.pop(int(msg["seq"]), None)
+            if handle is not None:
+                handle.set_result(None)
+        elif op == "barrier_failed":
+            handle = self._barriers.pop(int(msg["seq"]), None)
+            if handle is not None:
+                handle.set_error(PeerLostError(f"barrier: {msg.get('why')} [on rank {self.book.rank}]"))
+        elif op in ("node_lost", "node_left"):
+            how = "was lost" if op == "node_lost" else "left the job"
+            why = f"{msg.get('role')} rank {msg.get('rank')} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
+            self.log.warning(why)
+            if msg.get("role") == "server":
+                index = int(msg["rank"])
+                self._lost_servers[index] = why
+                for req, server in list(self._unacked.items()):
+                    if server == index:
+                        del self._unacked[req]
+                nservers = len(self.servers)
+                for pending in list(self._pending):
+                    if any((pending.key + i) % nservers == index for i in range(len(pending.parts))):
+                        self._fail(pending, PeerLostError(f"push_pull {pending.name!r}: {why}"))
+        elif op == "refused":
+            self._fail_everything(PeerLostError(f"the scheduler no longer knows this worker: {msg.get('why')}"))
+
+    def _server_of(self, op: Operation, req: int) -> int:
+        entry = self._reqs.get(req)
+        return -1 if entry is None else (op.key + entry[1]) % len(self.servers)
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, op: Operation, error: BaseException) -> None:
+        op.failed = True
+        self._pending.discard(op)
+        for req in op.reqs:
+            self._reqs.pop(req, None)
+        op.reqs.clear()
+        op.handle.set_error(error)
+
+    def _fail_everything(self, error: BpsGossipError) -> None:
+        self._broken = error
+        for op in list(self._pending):
+            self._fail(op, error)
+        self._heap.clear()
+        self._unacked.clear()
+        for handle in self._barriers.values():
+            handle.set_error(error)
+        self._barriers.clear()
+        for handle, _ in self._stats.values():
+            handle.set_error(error)
+        self._stats.clear()
+
+    def _check_deadlines(self, now: float) -> None:
+        silent = now - self._last_sched
+        if self._broken is None and silent > self.config.heartbeat_timeout:
+            self._fail_everything(PeerLostError(
+                f"the scheduler at {self.config.scheduler_address} stopped answering "
+                f"({silent:.1f} s without a message) [on rank {self.book.rank}]"))
+            return
+        for op in list(self._pending):
+            if now > op.deadline:
+                servers = sorted({self._server_of(op, r) for r in op.reqs} - {-1})
+                addrs = [self.book.servers[s] for s in servers]
+                waiting = f"servers {servers} ({', '.join(addrs)})" if servers else "its turn to be sent"
+                self._fail(op, CommTimeoutError(
+                    f"push_pull {op.name!r} on rank {self.book.rank}: no answer from {waiting} "
+                    f"within {self._op_timeout():.1f} s (BPS_GOSSIP_TIMEOUT={self.config.timeout})"))
+
+    def _leave(self, handle: Handle) -> None:
+        self._fail_everything(NotInitializedError("bps_gossip was shut down while this operation was pending"))
+        send_message(self.sched, {"op": "leave"})
+        deadline = time.monotonic() + min(5.0, self.config.timeout)
+        while time.monotonic() < deadline and self.sched.poll(int((deadline - time.monotonic()) * 1000) + 1):
+            _, msg, _ = recv_message(self.sched, routed=False)
+            if msg["op"] in ("bye", "refused"):
+                break
+        self._running = False
+        handle.set_result(None)

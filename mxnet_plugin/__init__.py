@@ -1,0 +1,1 @@
+"""MXNet / Gluon binding of bps_gossip (the byteps.mxnet API). Filled in by the mxnet_plugin issue."""
