@@ -1,0 +1,185 @@
+"""Real-process clusters on 127.0.0.1 for the tests: a scheduler, servers, workers.
+
+Every process runs in its own session so that the whole group can be killed; the
+``cluster`` fixture (conftest.py) kills whatever is left when a test ends, also on
+failure. Workers run a Python snippet and report results as JSON on a line that
+starts with ``RESULT `` (see :func:`report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+FAST_ENV = {
+    "BPS_GOSSIP_TIMEOUT": "10",
+    "BPS_GOSSIP_HEARTBEAT_INTERVAL": "0.2",
+    "BPS_GOSSIP_HEARTBEAT_TIMEOUT": "2",
+    "BYTEPS_LOG_LEVEL": "WARNING",
+}
+
+PRELUDE = '''
+import json, sys
+def report(value):
+    """Print one JSON result line for the test to read."""
+    print("RESULT " + json.dumps(value), flush=True)
+'''
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Finished:
+    """What one worker process left behind."""
+
+    rank_hint: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def results(self) -> list[Any]:
+        """Every value the worker passed to report(), in order."""
+        return [json.loads(line[7:]) for line in self.stdout.splitlines() if line.startswith("RESULT ")]
+
+    @property
+    def result(self) -> Any:
+        """The single value the worker reported."""
+        values = self.results
+        assert len(values) == 1, f"expected one RESULT line, got {len(values)}:\n{self.stdout}\n{self.stderr}"
+        return values[0]
+
+
+class Cluster:
+    """One job: scheduler and servers start at once; workers run a snippet."""
+
+    def __init__(self, tmp_path: Path, workers: int, servers: int = 1, env: dict[str, str] | None = None,
+                 start_servers: bool = True) -> None:
+        self.tmp_path = tmp_path
+        self.workers = workers
+        self.servers = servers
+        self.port = free_port()
+        self.env = {**os.environ, **FAST_ENV, **(env or {})}
+        self.env.update({
+            "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(self.port),
+            "PYTHONUNBUFFERED": "1",
+        })
+        self.procs: list[subprocess.Popen] = []
+        self.scheduler: subprocess.Popen | None = None
+        self.server_procs: list[subprocess.Popen] = []
+        if start_servers:
+            self.scheduler = self.spawn_role("scheduler")
+            self.server_procs = [self.spawn_role("server") for _ in range(servers)]
+
+    def spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+        """Start a process in its own session, output captured to files in tmp_path."""
+        out = open(self.tmp_path / f"{name}.out", "w+")
+        err = open(self.tmp_path / f"{name}.err", "w+")
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
+        proc.out_file, proc.err_file = out, err  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def spawn_role(self, role: str) -> subprocess.Popen:
+        """Start a scheduler or server process."""
+        env = {**self.env, "DMLC_ROLE": role}
+        index = sum(1 for p in self.procs if getattr(p, "role", None) == role)
+        proc = self.spawn([sys.executable, "-m", f"bps_gossip.{role}"], env, f"{role}{index}")
+        proc.role = role  # type: ignore[attr-defined]
+        return proc
+
+    def start_workers(self, code: str, count: int | None = None, env: dict[str, str] | None = None,
+                      per_rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
+        """Start ``count`` workers (default: all) running ``code`` with report() defined."""
+        script = self.tmp_path / f"worker_{len(self.procs)}.py"
+        script.write_text(PRELUDE + textwrap.dedent(code))
+        procs = []
+        for index in range(self.workers if count is None else count):
+            worker_env = {**self.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index),
+                          **(env or {}), **((per_rank_env or {}).get(index, {}))}
+            proc = self.spawn([sys.executable, str(script)], worker_env, f"worker{index}_{len(self.procs)}")
+            proc.rank_hint = index  # type: ignore[attr-defined]
+            procs.append(proc)
+        return procs
+
+    def wait(self, procs: list[subprocess.Popen], timeout: float = 60) -> list[Finished]:
+        """Wait for ``procs``; return what each printed. Fails the test on a timeout."""
+        deadline = time.monotonic() + timeout
+        finished = []
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise AssertionError(f"process {proc.args} did not finish within {timeout} s:\n{self.dump()}") from None
+            finished.append(Finished(getattr(proc, "rank_hint", -1), proc.returncode, _read(proc.out_file),
+                                     _read(proc.err_file)))
+        return finished
+
+    def run_workers(self, code: str, timeout: float = 60, **kwargs: Any) -> list[Finished]:
+        """Start all workers on ``code`` and wait for them."""
+        return self.wait(self.start_workers(code, **kwargs), timeout)
+
+    def wait_servers_exit(self, timeout: float = 15) -> None:
+        """Assert that the scheduler and servers exit by themselves within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for proc in [p for p in (self.scheduler, *self.server_procs) if p is not None]:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{proc.role} did not exit by itself:\n{self.dump()}") from None
+
+    def dump(self) -> str:
+        """Everything every process printed, for failure messages."""
+        parts = []
+        for proc in self.procs:
+            parts.append(f"--- {proc.args} rc={proc.poll()}\n{_read(proc.out_file)}{_read(proc.err_file)}")
+        return "\n".join(parts)
+
+    def kill_all(self) -> None:
+        """Kill every process this cluster started (and their children)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        """Kill what is left and close the output files."""
+        self.kill_all()
+        for proc in self.procs:
+            proc.out_file.close()
+            proc.err_file.close()
+
+
+def _read(handle: Any) -> str:
+    handle.flush()
+    handle.seek(0)
+    return handle.read()
+
+
+def assert_all_ok(finished: list[Finished], cluster: Cluster) -> None:
+    """Fail with every process's output unless all exited 0."""
+    bad = [f for f in finished if f.returncode != 0]
+    assert not bad, f"workers failed: {[(f.rank_hint, f.returncode) for f in bad]}\n{cluster.dump()}"

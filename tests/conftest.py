@@ -1,0 +1,32 @@
+"""Shared fixtures: real clusters on 127.0.0.1, always cleaned up."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from cluster import Cluster  # noqa: E402
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A factory: ``cluster(workers, servers=1, env=None)`` starts a scheduler and servers.
+
+    Every process started through it is killed when the test ends, pass or fail.
+    """
+    made: list[Cluster] = []
+
+    def make(workers: int, servers: int = 1, env: dict | None = None, start_servers: bool = True) -> Cluster:
+        folder = tmp_path / f"job{len(made)}"
+        folder.mkdir()
+        job = Cluster(folder, workers, servers, env, start_servers)
+        made.append(job)
+        return job
+
+    yield make
+    for job in made:
+        job.close()
