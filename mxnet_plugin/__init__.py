@@ -1,1 +1,23 @@
-"""MXNet / Gluon binding of bps_gossip (the byteps.mxnet API). Filled in by the mxnet_plugin issue."""
+"""mxnet_plugin: the byteps.mxnet API on bps_gossip, for MXNet 1.9 and Gluon.
+
+Scripts written for ``byteps.mxnet`` run after changing only the import::
+
+    import mxnet_plugin as bps
+    bps.init()
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+
+Importing it also registers the 'bpsgossip' KVStore type.
+"""
+
+from bps_gossip import init, local_rank, local_size, rank, shutdown, size
+
+from .kvstore import BpsGossip
+from .ops import broadcast, broadcast_, byteps_declare_tensor, byteps_push_pull
+from .optimizer import DistributedOptimizer
+from .parameters import broadcast_parameters
+from .trainer import DistributedTrainer
+
+__all__ = [
+    "BpsGossip", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
+    "byteps_declare_tensor", "byteps_push_pull", "init", "local_rank", "local_size", "rank", "shutdown", "size",
+]

@@ -1,0 +1,149 @@
+"""The 'bpsgossip' KVStore type, for code written against MXNet's KVStore API.
+
+``mx.kv.create('bpsgossip')`` returns it, and so does ``gluon.Trainer(...,
+kvstore='bpsgossip')``: MXNet 1.9 creates no KVStore at all for a single-device
+trainer unless the name contains 'dist' (mxnet/model.py ``_create_kvstore``), so
+importing mxnet_plugin teaches that function our name. Passing an instance
+(``kvstore=mx.kv.create('bpsgossip')``) works without that.
+
+Semantics are those of ``dist_sync``: pushpull sums over workers (pass the global
+batch size to ``trainer.step``), broadcast sends rank 0's value. Unlike MXNet's
+dist KVStore, ``pushpull(key, value, out=o)`` leaves ``value`` untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+import bps_gossip as core
+
+from .ops import broadcast_async, finish_push_pull, to_host
+
+NAME = "bpsgossip"
+
+
+def _as_list(value: Any) -> list[mx.nd.NDArray]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _local_sum(values: list[mx.nd.NDArray]) -> np.ndarray:
+    host = to_host(values[0])
+    for value in values[1:]:
+        host += to_host(value)
+    return host
+
+
+@mx.kvstore.KVStoreBase.register
+class BpsGossip(mx.kvstore.KVStoreBase):
+    """A KVStore whose pushpull is a bps_gossip push_pull (sum over workers)."""
+
+    def __init__(self) -> None:
+        core.init()
+        self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
+
+    @property
+    def type(self) -> str:
+        """The registered name."""
+        return NAME
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return core.rank()
+
+    @property
+    def num_workers(self) -> int:
+        """The number of workers."""
+        return core.size()
+
+    def is_capable(self, capability: str) -> bool:
+        """No server-side optimizer: Trainer and Module update locally."""
+        return capability.lower() != mx.kvstore.KVStoreBase.OPTIMIZER
+
+    @staticmethod
+    def _name(key: Any) -> str:
+        return f"kvstore_{key}"
+
+    def _keys_values(self, key: Any, value: Any) -> list[tuple[Any, list[mx.nd.NDArray]]]:
+        if isinstance(key, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(key):
+                raise ValueError(f"{self.type}: {len(key)} keys need as many values")
+            return [(k, _as_list(v)) for k, v in zip(key, value, strict=True)]
+        return [(key, _as_list(value))]
+
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        """Write rank 0's ``value`` into ``out`` on every rank."""
+        outs = self._keys_values(key, out)
+        values = dict(self._keys_values(key, value))
+        pending = [(broadcast_async(values[k][0], self._name(k), 0, priority), targets) for k, targets in outs]
+        for started, targets in pending:
+            finish_push_pull(started, targets)
+
+    def init(self, key: Any, value: Any) -> None:
+        """Make every rank's ``value`` rank 0's (what ps-lite's init achieves)."""
+        self.broadcast(key, value, value)
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        """Sum ``value`` (summed over this worker's devices first) over all workers into ``out``
+        (into ``value`` when ``out`` is None)."""
+        targets = self._keys_values(key, value if out is None else out)
+        values = dict(self._keys_values(key, value))
+        pending = []
+        for k, dests in targets:
+            host = _local_sum(values[k])
+            pending.append(((core.push_pull_async(host, self._name(k), average=False, priority=priority,
+                                                  out=host), host), dests))
+        for started, dests in pending:
+            finish_push_pull(started, dests)
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Start summing ``value`` over workers; :meth:`pull` collects the result."""
+        for k, values in self._keys_values(key, value):
+            if k in self._pending:
+                raise ValueError(f"{self.type}: key {k!r} was pushed twice without a pull")
+            host = _local_sum(values)
+            self._pending[k] = (core.push_pull_async(host, self._name(k), average=False, priority=priority,
+                                                     out=host), host)
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Write the sum started by :meth:`push` into ``out``."""
+        for k, dests in self._keys_values(key, out):
+            started = self._pending.pop(k, None)
+            if started is None:
+                raise ValueError(f"{self.type}: pull of key {k!r} without a push before it")
+            finish_push_pull(started, dests)
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Not supported: there is no server-side optimizer (is_capable('optimizer') is False)."""
+        raise NotImplementedError(f"{self.type} has no server-side optimizer; use update_on_kvstore=False")
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Not supported (optimizer states live in the trainer)."""
+        raise NotImplementedError(f"{self.type} keeps no optimizer states; use Trainer.save_states")
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Not supported (optimizer states live in the trainer)."""
+        raise NotImplementedError(f"{self.type} keeps no optimizer states; use Trainer.load_states")
+
+
+def _teach_create_kvstore() -> None:
+    """Make MXNet's ``_create_kvstore`` build our store for kvstore='bpsgossip' on one device."""
+    original = mx.model._create_kvstore
+    if getattr(original, "_bps_gossip", False):
+        return
+
+    def create_kvstore(kvstore: Any, num_device: int, arg_params: Any) -> tuple[Any, bool]:
+        if isinstance(kvstore, str) and kvstore.lower() == NAME:
+            return mx.kv.create(NAME), False
+        return original(kvstore, num_device, arg_params)
+
+    create_kvstore._bps_gossip = True
+    for module in (mx.model, mx.gluon.trainer, mx.module.module):
+        if getattr(module, "_create_kvstore", None) is original:
+            module._create_kvstore = create_kvstore
+
+
+_teach_create_kvstore()
