@@ -235,9 +235,7 @@ def poll(handle: Handle) -> bool:
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle``; return its result or raise its error."""
-    runtime = _runtime
-    timeout = 3 * runtime.config.timeout + 10 if runtime is not None else 60.0
-    return handle.wait(timeout)
+    return handle.wait(wait_timeout())
 
 
 def barrier() -> None:
@@ -258,3 +256,35 @@ def server_stats() -> list[dict[str, Any]]:
     handle = Handle("server_stats()")
     runtime.engine.submit("stats", handle)
     return synchronize(handle)
+
+
+def wait_timeout() -> float:
+    """The backstop for waits on handles: the engine itself fails them after BPS_GOSSIP_TIMEOUT."""
+    runtime = _runtime
+    return 3 * runtime.config.timeout + 10 if runtime is not None else 60.0
+
+
+class PeerLink:
+    """Worker-to-worker messages for gossip (used by bps_gossip.gossip; not a user API)."""
+
+    def __init__(self, runtime: _Runtime) -> None:
+        self._engine = runtime.engine
+        self.rank = runtime.rank
+        self.size = runtime.size
+
+    def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Send ``arrays`` to worker ``dst``; do not modify them afterwards."""
+        assert self._engine is not None, "no peers in a one-worker job"
+        self._engine.submit("peer_send", (dst, header, arrays))
+
+    def expect(self, tag: str, rnd: int, sources: list[int]) -> Handle:
+        """A handle that completes with {source: (header, arrays)} once every source sent (tag, rnd)."""
+        assert self._engine is not None, "no peers in a one-worker job"
+        handle = Handle(f"gossip {tag!r} round {rnd}")
+        self._engine.submit("peer_expect", (tag, rnd, list(sources), handle))
+        return handle
+
+
+def peer_link() -> PeerLink:
+    """The peer channel of this worker (internal, for gossip)."""
+    return PeerLink(_rt("gossip"))

@@ -40,6 +40,7 @@ from ..errors import (
 from ..logs import get_logger
 from ..transport import bind_random_port, recv_message, send_message
 from .handle import Handle
+from .peers import PeerChannel
 
 _ERROR_KINDS: dict[str, type[BpsGossipError]] = {
     "mismatch": TensorMismatchError,
@@ -109,6 +110,7 @@ class Engine:
         self._barrier_seq = 0
         self._stats: dict[int, tuple[Handle, list[Any]]] = {}
         self._lost_servers: dict[int, str] = {}
+        self.channel: PeerChannel | None = None
         self._running = True
         self._thread = threading.Thread(target=self._main, name="bps-gossip-engine", daemon=True)
 
@@ -213,9 +215,12 @@ class Engine:
             sock.setsockopt(zmq.IDENTITY, self.uid)
             sock.connect(addr)
             self.servers.append(sock)
+        self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log)
         self._last_sched = time.monotonic()
 
     def _close_sockets(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         for sock in [*self.servers, getattr(self, "sched", None), getattr(self, "peer", None)]:
             if sock is not None:
                 sock.close(linger=0)
@@ -224,6 +229,7 @@ class Engine:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.peer, zmq.POLLIN)
         for sock in self.servers:
             poller.register(sock, zmq.POLLIN)
         interval = self.config.heartbeat_interval
@@ -240,6 +246,8 @@ class Engine:
                 self._drain_inbox()
             if self.sched in events:
                 self._drain(self.sched, self._on_scheduler)
+            if self.peer in events:
+                self._drain_peers()
             for index, sock in enumerate(self.servers):
                 if sock in events:
                     self._drain(sock, lambda msg, frames, i=index: self._on_server(i, msg, frames))
@@ -252,6 +260,18 @@ class Engine:
                 handler(msg, frames)
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 self.log.warning("dropped a malformed message: %s", exc)
+
+    def _drain_peers(self) -> None:
+        for _ in range(256):  # bounded, so servers and the inbox are served too
+            if not self.peer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                _, msg, frames = recv_message(self.peer, routed=True)
+                if msg["op"] != "gossip":
+                    raise ProtocolError(f"unknown peer op {msg['op']!r}")
+                self.channel.on_message(msg, frames)
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                self.log.warning("dropped a malformed peer message: %s", exc)
 
     # ------------------------------------------------------------------ inbox
     def _drain_inbox(self) -> None:
@@ -268,8 +288,10 @@ class Engine:
                 self._leave(payload)
                 return
             if self._broken is not None:
-                handle = payload.handle if isinstance(payload, Operation) else payload
-                handle.set_error(self._broken)
+                handle = {"op": getattr(payload, "handle", None), "peer_expect": payload[-1],
+                          "barrier": payload, "stats": payload}.get(kind) if kind != "peer_send" else None
+                if handle is not None:
+                    handle.set_error(self._broken)
                 continue
             if kind == "op":
                 self._enqueue(payload)
@@ -277,6 +299,15 @@ class Engine:
                 self._barrier_seq += 1
                 self._barriers[self._barrier_seq] = payload
                 send_message(self.sched, {"op": "barrier", "seq": self._barrier_seq})
+            elif kind == "peer_send":
+                dst, header, arrays = payload
+                try:
+                    self.channel.send(dst, header, arrays)
+                except ValueError as exc:
+                    self.log.error("%s", exc)
+            elif kind == "peer_expect":
+                tag, rnd, sources, handle = payload
+                self.channel.expect(tag, rnd, sources, handle)
             elif kind == "stats":
                 req = next(self._req_ids)
                 self._stats[req] = (payload, [None] * len(self.servers))
@@ -378,6 +409,8 @@ class Engine:
             how = "was lost" if op == "node_lost" else "left the job"
             why = f"{msg.get('role')} rank {msg.get('rank')} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
             self.log.warning(why)
+            if msg.get("role") == "worker":
+                self.channel.on_worker_gone(int(msg["rank"]), "lost" if op == "node_lost" else "left", why)
             if msg.get("role") == "server":
                 index = int(msg["rank"])
                 self._lost_servers[index] = why
@@ -416,6 +449,8 @@ class Engine:
         for handle, _ in self._stats.values():
             handle.set_error(error)
         self._stats.clear()
+        if self.channel is not None:
+            self.channel.fail_all(error)
 
     def _check_deadlines(self, now: float) -> None:
         silent = now - self._last_sched
@@ -424,6 +459,7 @@ class Engine:
                 f"the scheduler at {self.config.scheduler_address} stopped answering "
                 f"({silent:.1f} s without a message) [on rank {self.book.rank}]"))
             return
+        self.channel.check_deadlines(now)
         for op in list(self._pending):
             if now > op.deadline:
                 servers = sorted({self._server_of(op, r) for r in op.reqs} - {-1})
