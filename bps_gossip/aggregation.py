@@ -25,6 +25,7 @@ class Push:
     rank: int
     route: bytes
     req: int
+    region: np.ndarray | None = None  # the worker's shared-memory region: the sum goes back there
 
 
 def describe_signature(sig: dict[str, Any]) -> str:
@@ -66,9 +67,9 @@ class Round:
             f"pushed {describe_signature(sig)}; every rank must push the same shape, dtype and operation"
         )
 
-    def add(self, payload: memoryview | bytes) -> bool:
+    def add(self, payload: memoryview | bytes | np.ndarray) -> bool:
         """Add one payload into the accumulator; return True when this was the last one."""
-        data = np.frombuffer(payload, dtype=self.wire, count=self.count)
+        data = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=self.wire, count=self.count)
         with self.lock:
             if self.acc is None:
                 self.acc = data.copy()
@@ -76,6 +77,12 @@ class Round:
                 np.add(self.acc, data, out=self.acc)
             self.added += 1
             return self.added == self.expected
+
+    def write_back(self) -> None:
+        """Copy the sum into the shared-memory region of every worker that pushed through one."""
+        for push in self.pushes.values():
+            if push.region is not None and self.acc is not None:
+                np.copyto(push.region, self.acc)
 
 
 def validate_push(header: dict[str, Any], payload_len: int) -> tuple[dict[str, Any], str, int]:

@@ -148,6 +148,7 @@ def _submit(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, send
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
     )
+    engine.stage(op)
     engine.submit("op", op)
     return handle
 

@@ -47,11 +47,17 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     port: int = 0
+    shm: bool = True
 
     @property
     def scheduler_address(self) -> str:
         """The ZeroMQ endpoint of the scheduler."""
         return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @property
+    def job_id(self) -> str:
+        """Names this job's shared-memory segments (the scheduler's port is unique per host)."""
+        return str(self.root_port or 0)
 
     @property
     def distributed(self) -> bool:
@@ -197,6 +203,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         port=port,
+        shm=_bool(env, "BPS_GOSSIP_SHM", True),
     )
     if role != "worker" or config.distributed:
         if root_port is None:

@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import zmq
 
 from .aggregation import Push, Round, RoundId, validate_push
@@ -29,6 +30,9 @@ from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, PeerLostError, ProtocolError
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
+from .transport.shm import AttachedSegment
+
+MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
 
 INLINE_BYTES = 256 * 1024  # below this, handing a sum to the pool costs more than it saves
 
@@ -57,6 +61,7 @@ class Server:
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
         self.parts_seen: dict[int, set[int]] = {}
         self.rounds_done = 0
+        self.segments: dict[str, AttachedSegment] = {}
         self.size = 0
         self.rank = -1
         self.running = True
@@ -109,17 +114,37 @@ class Server:
         if rnd.error is not None:
             return
         for push in rnd.pushes.values():
-            self._reply(push, {"op": "result"}, (rnd.acc,))
+            if push.region is not None:  # the sum is already in its region (write_back)
+                self._reply(push, {"op": "result", "shm": True})
+            else:
+                self._reply(push, {"op": "result"}, (rnd.acc,))
         self.rounds_done += 1
+
+    def _region(self, msg: dict[str, Any], wire: str, count: int) -> Any:
+        """The worker's shared-memory region named in a push (attached on first use)."""
+        name = str(msg["shm"])
+        segment = self.segments.get(name)
+        if segment is None:
+            if len(self.segments) >= MAX_ATTACHED:
+                oldest = next(iter(self.segments))
+                self.segments.pop(oldest).close()
+            segment = self.segments[name] = AttachedSegment(name)
+        return segment.view(wire, count, int(msg["offset"]))
 
     # -- handlers -----------------------------------------------------------------
     def _on_push(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         push = Push(rank=int(msg["rank"]), route=route, req=int(msg["req"]))
-        payload = frames[0] if frames else None
+        payload: Any = frames[0] if frames else None
         try:
-            sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
+            if "shm" in msg:
+                wire_dtype = np.dtype(str(msg["wire"]))
+                push.region = self._region(msg, wire_dtype.str, int(msg["count"]))
+                payload = push.region
+                sig, wire, count = validate_push(msg, push.region.nbytes)
+            else:
+                sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
             key, part, seq, name = int(msg["key"]), int(msg["part"]), int(msg["seq"]), str(msg["name"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OSError) as exc:
             self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
             return
         known = self.names.setdefault(key, name)
@@ -154,16 +179,18 @@ class Server:
             return
         self.parts_seen.setdefault(key, set()).add(part)
         if rnd.nbytes <= INLINE_BYTES:
-            if rnd.add(payload.buffer):
+            if rnd.add(payload if push.region is not None else payload.buffer):
+                rnd.write_back()
                 self._finish(rnd)  # the result doubles as this push's acknowledgement
                 return
         else:
             self.pool.submit(self._add_on_pool, rnd, payload)
         self._reply(push, {"op": "ack"})
 
-    def _add_on_pool(self, rnd: Round, payload: zmq.Frame) -> None:
+    def _add_on_pool(self, rnd: Round, payload: Any) -> None:
         try:
-            if rnd.add(payload.buffer):
+            if rnd.add(payload if isinstance(payload, np.ndarray) else payload.buffer):
+                rnd.write_back()
                 self.done.put((rnd.rid, None))
                 os.write(self.done_w, b".")
         except Exception as exc:  # report on the IO thread instead of dying silently
@@ -276,6 +303,8 @@ class Server:
     def close(self) -> None:
         """Stop the pool and close the sockets."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for segment in self.segments.values():
+            segment.close()
         self.sock.close(linger=0)
         self.sched.close(linger=500)
         os.close(self.done_r)

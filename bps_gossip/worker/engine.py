@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..logs import get_logger
 from ..transport import bind_random_port, recv_message, send_message
+from ..transport.shm import OwnedSegment, SegmentPool, shm_available
 from .handle import Handle
 from .peers import PeerChannel
 
@@ -69,6 +70,7 @@ class Operation:
     failed: bool = False
     deadline: float = 0.0
     reqs: set[int] = dataclasses.field(default_factory=set)
+    segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
 
 
 @dataclasses.dataclass
@@ -111,6 +113,8 @@ class Engine:
         self._stats: dict[int, tuple[Handle, list[Any]]] = {}
         self._lost_servers: dict[int, str] = {}
         self.channel: PeerChannel | None = None
+        self.segments = SegmentPool(config.job_id) if config.shm and shm_available() else None
+        self.shm_servers: set[int] = set()  # servers on this host: payloads go through shared memory
         self._running = True
         self._thread = threading.Thread(target=self._main, name="bps-gossip-engine", daemon=True)
 
@@ -124,6 +128,18 @@ class Engine:
             raise self._init_error
         assert self.book is not None
         return self.book
+
+    def stage(self, op: Operation) -> None:
+        """Copy ``op``'s payload into shared memory if any of its partitions goes to a server
+        on this host (runs in the caller's thread, so the engine thread stays free)."""
+        if not self.shm_servers:
+            return
+        nservers = len(self.book.servers)
+        if not any((op.key + i) % nservers in self.shm_servers for i in range(len(op.parts))):
+            return
+        op.segment = self.segments.acquire(op.name, op.send.nbytes)
+        if op.send.size:
+            op.segment.view(op.send.dtype, op.send.size)[:] = op.send
 
     def next_seq(self, name: str) -> int:
         """The round number of this rank's next operation on ``name``."""
@@ -209,7 +225,9 @@ class Engine:
         self.book = Book(rank=rank, size=len(book["workers"]), local_rank=me["local_rank"],
                          local_size=me["local_size"], generation=book["generation"],
                          servers=list(book["servers"]), workers=list(book["workers"]))
-        for addr in self.book.servers:
+        for index, addr in enumerate(self.book.servers):
+            if self.segments is not None and addr.rsplit(":", 1)[0] == f"tcp://{cfg.node_host}":
+                self.shm_servers.add(index)
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.uid)
@@ -219,6 +237,8 @@ class Engine:
         self._last_sched = time.monotonic()
 
     def _close_sockets(self) -> None:
+        if self.segments is not None:
+            self.segments.close()
         if self.channel is not None:
             self.channel.close()
         for sock in [*self.servers, getattr(self, "sched", None), getattr(self, "peer", None)]:
@@ -346,7 +366,12 @@ class Engine:
                 "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
                 "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"],
             }
-            send_message(self.servers[server], header, (op.send[offset:offset + count],))
+            if op.segment is not None and server in self.shm_servers:
+                header["shm"] = op.segment.name
+                header["offset"] = offset * op.send.dtype.itemsize
+                send_message(self.servers[server], header)
+            else:
+                send_message(self.servers[server], header, (op.send[offset:offset + count],))
 
     # ------------------------------------------------------------------ replies
     def _on_server(self, index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
@@ -370,12 +395,16 @@ class Engine:
         if op_name != "result":
             raise ProtocolError(f"unknown reply {op_name!r} from server {index}")
         offset, count = op.parts[part]
-        if count:
+        if count and msg.get("shm"):
+            op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
+        elif count:
             op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
         op.remaining -= 1
         op.deadline = time.monotonic() + self._op_timeout()
         if op.remaining == 0:
             self._pending.discard(op)
+            if op.segment is not None:
+                self.segments.release(op.name, op.segment)
             try:
                 if op.finish is not None:
                     op.finish()
@@ -432,6 +461,9 @@ class Engine:
     def _fail(self, op: Operation, error: BaseException) -> None:
         op.failed = True
         self._pending.discard(op)
+        if op.segment is not None:
+            self.segments.release(op.name, op.segment, reusable=False)
+            op.segment = None
         for req in op.reqs:
             self._reqs.pop(req, None)
         op.reqs.clear()

@@ -1,0 +1,144 @@
+"""POSIX shared memory for payloads between processes on the same host.
+
+A worker owns its segments (one per tensor name and in-flight operation, reused from
+round to round); a server attaches to them by name. Only small control messages go
+over ZeroMQ: the server reads every worker's region, sums in place and writes the sum
+back into each region, so a push_pull costs each worker one copy in and one copy out.
+
+Cleanup on every exit path: the owner unlinks at shutdown; Python's resource tracker
+(a separate process) unlinks the owner's segments if the owner is killed; processes
+that only attach unregister from their tracker so that they never unlink what they do
+not own (NOTES: Python 3.11 otherwise unlinks on exit). Names carry the job's prefix
+and the owner's pid, so a launcher can also sweep what a dead job left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = "bpsg"
+SHM_DIR = Path("/dev/shm")
+
+
+def segment_name(job: str) -> str:
+    """A fresh segment name: prefix, job id, owner pid, random suffix."""
+    return f"{PREFIX}_{job}_{os.getpid()}_{uuid.uuid4().hex[:10]}"
+
+
+class OwnedSegment:
+    """A segment this process created; unlink() removes it for everyone."""
+
+    def __init__(self, job: str, size: int) -> None:
+        self.shm = shared_memory.SharedMemory(name=segment_name(job), create=True, size=max(size, 1))
+        self.name = self.shm.name
+        self.size = size
+
+    def view(self, dtype: np.dtype, count: int, offset: int = 0) -> np.ndarray:
+        """A numpy view of ``count`` items at byte ``offset``."""
+        return np.ndarray((count,), dtype=dtype, buffer=self.shm.buf, offset=offset)
+
+    def unlink(self) -> None:
+        """Close and remove the segment (safe to call twice)."""
+        if self.shm is None:
+            return
+        try:
+            self.shm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+        self.shm = None
+
+
+class AttachedSegment:
+    """A segment another process owns, mapped here; never unlinked from here."""
+
+    def __init__(self, name: str) -> None:
+        if not name.startswith(PREFIX + "_") or "/" in name:
+            raise ValueError(f"not a bps_gossip segment name: {name!r}")
+        self.shm = shared_memory.SharedMemory(name=name, create=False)
+        # Python registers attachments with the resource tracker too; undo that so that
+        # this process's exit never unlinks the owner's segment.
+        resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+        self.name = name
+        self.size = self.shm.size
+
+    def view(self, dtype: np.dtype, count: int, offset: int = 0) -> np.ndarray:
+        """A numpy view of ``count`` items at byte ``offset``; ValueError if it does not fit."""
+        dtype = np.dtype(dtype)
+        if offset < 0 or count < 0 or offset + count * dtype.itemsize > self.size:
+            raise ValueError(f"segment {self.name}: {count} x {dtype} at {offset} exceeds {self.size} bytes")
+        return np.ndarray((count,), dtype=dtype, buffer=self.shm.buf, offset=offset)
+
+    def close(self) -> None:
+        """Unmap (the owner keeps the segment)."""
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+
+
+def sweep(job: str | None = None, pid: int | None = None) -> int:
+    """Remove leftover segments of ``job`` (all of it, or one owner ``pid``); return how many."""
+    pattern = f"{PREFIX}_{job or '*'}_{pid if pid is not None else '*'}_*"
+    removed = 0
+    for path in SHM_DIR.glob(pattern):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def shm_available() -> bool:
+    """True where POSIX shared memory works (Linux: /dev/shm exists)."""
+    return SHM_DIR.is_dir()
+
+
+class SegmentPool:
+    """A worker's segments, reused per tensor name; thread-safe (API threads acquire,
+    the engine thread releases)."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._free: dict[str, list[OwnedSegment]] = {}
+        self._all: set[OwnedSegment] = set()
+        self._lock = threading.Lock()
+
+    def acquire(self, name: str, nbytes: int) -> OwnedSegment:
+        """A segment of at least ``nbytes`` not used by any pending operation."""
+        with self._lock:
+            free = self._free.get(name, [])
+            for index, segment in enumerate(free):
+                if segment.size >= nbytes:
+                    return free.pop(index)
+        segment = OwnedSegment(self.job, nbytes)
+        with self._lock:
+            self._all.add(segment)
+        return segment
+
+    def release(self, name: str, segment: OwnedSegment, reusable: bool = True) -> None:
+        """Give a segment back; a failed operation's segment is removed instead (a late
+        write from a server must never land in a segment that found a new use)."""
+        with self._lock:
+            if reusable:
+                self._free.setdefault(name, []).append(segment)
+                return
+            self._all.discard(segment)
+        segment.unlink()
+
+    def close(self) -> None:
+        """Unlink every segment."""
+        with self._lock:
+            segments, self._all, self._free = self._all, set(), {}
+        for segment in segments:
+            segment.unlink()
