@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 RoundId = tuple[int, int, int]  # (key, partition, round number)
+SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
 
 
 @dataclasses.dataclass

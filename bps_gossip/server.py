@@ -185,7 +185,8 @@ class Server:
                 return
         else:
             self.pool.submit(self._add_on_pool, rnd, payload)
-        self._reply(push, {"op": "ack"})
+        if msg.get("ack", True):
+            self._reply(push, {"op": "ack"})
 
     def _add_on_pool(self, rnd: Round, payload: Any) -> None:
         try:

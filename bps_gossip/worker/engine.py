@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
 from ..errors import (
     BpsGossipError,
@@ -359,12 +360,16 @@ class Engine:
             offset, count = op.parts[index]
             req = next(self._req_ids)
             self._reqs[req] = (op, index)
-            self._unacked[req] = server
+            # Small partitions neither use credit nor get an acknowledgement: credit limits
+            # bytes in transit, and one message less per push is most of a small push_pull.
+            small = count * op.send.dtype.itemsize <= SMALL_PUSH_BYTES
+            if not small:
+                self._unacked[req] = server
             op.reqs.add(req)
             header = {
                 "op": "push", "req": req, "rank": self.book.rank, "key": op.key, "name": op.name,
                 "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
-                "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"],
+                "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"], "ack": not small,
             }
             if op.segment is not None and server in self.shm_servers:
                 header["shm"] = op.segment.name
