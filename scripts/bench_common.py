@@ -1,0 +1,351 @@
+"""Shared plumbing of the benchmarks: clusters of real processes on 127.0.0.1, a line
+protocol between the driver and its workers, and table/JSON helpers.
+
+Every benchmarked *system* (ours, MXNet's dist_sync, ...) gets its own scheduler,
+servers and worker processes, all alive for a whole cluster configuration. The
+driver sends the same JSON command to every worker of one system, then reads one
+JSON reply from each; systems that are not being driven sit blocked on stdin and
+cost no CPU. That is what lets the benchmarks interleave systems pass by pass and
+still give each system its own environment (one System line per variant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPLY_PREFIX = "@@BENCH "  # marks protocol lines: MXNet and ps-lite may print to stdout too
+STARTUP_TIMEOUT = 180.0  # seconds for a cluster to come up (import mxnet x N on 2 cores)
+
+
+class BenchError(RuntimeError):
+    """A failed benchmark: wrong result, dead process or timeout. Aborts the run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One column of the results: how to start its cluster and what its workers run.
+
+    ``kind`` is 'bps' (our scheduler/servers, workers through mxnet_plugin) or 'mxnet'
+    (ps-lite scheduler/servers started by ``import mxnet``). ``env`` goes to every
+    process of the system, so a variant such as ``BPS_GOSSIP_SHM=0`` is one more line.
+    ``mode`` is a free-form worker setting (e.g. the trainer mode).
+    """
+
+    name: str
+    kind: str
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    mode: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterShape:
+    """Workers and servers of one configuration, written like '2w1s'."""
+
+    workers: int
+    servers: int
+
+    @property
+    def label(self) -> str:
+        """Short label for tables."""
+        return f"{self.workers}w{self.servers}s"
+
+
+def parse_configs(text: str) -> list[ClusterShape]:
+    """'2w1s,4w1s' (or '2x1,4x1') -> shapes."""
+    shapes = []
+    for item in filter(None, (part.strip().lower() for part in text.split(","))):
+        body = item.replace("w", "x").replace("s", "").replace("xx", "x")
+        try:
+            workers, servers = (int(v) for v in body.split("x"))
+        except ValueError:
+            raise SystemExit(f"bad configuration {item!r}: use e.g. 2w1s or 2x1") from None
+        if workers < 2 or servers < 1:
+            raise SystemExit(f"bad configuration {item!r}: needs >= 2 workers and >= 1 server")
+        shapes.append(ClusterShape(workers, servers))
+    return shapes
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4K', '64KiB', '1M', '4096' -> bytes (powers of 1024)."""
+    raw = text.strip().lower()
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise SystemExit(f"bad size {text!r}: use e.g. 4K, 64K, 1M, 16M")
+    return int(digits) * _UNITS[unit]
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes -> '4 KiB', '16 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1024)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the kernel handed out for port 0 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def median(values: Sequence[float]) -> float:
+    """Median (the machine has noisy CPU steal: medians, not means)."""
+    return float(statistics.median(values))
+
+
+def shm_understood() -> bool:
+    """True once bps_gossip's config parses BPS_GOSSIP_SHM (the shared-memory data path)."""
+    import bps_gossip.config as config
+
+    return "BPS_GOSSIP_SHM" in Path(config.__file__).read_text()
+
+
+def horovod_note() -> str | None:
+    """None when horovod.mxnet imports, else why the Horovod column is skipped."""
+    try:
+        import horovod.mxnet  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken build raising anything
+        return f"Horovod skipped: horovod.mxnet is not importable ({type(exc).__name__}: {exc})"
+    return "Horovod skipped: horovod.mxnet imports, but this benchmark does not launch Horovod jobs yet"
+
+
+# -- processes ----------------------------------------------------------------------------
+
+class Job:
+    """Every process of a benchmark run, each in its own session; ``close`` kills them all."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, argv: list[str], env: dict[str, str], name: str, pipes: bool = False) -> subprocess.Popen:
+        """Start ``argv``; stderr (and stdout unless ``pipes``) go to files in logdir."""
+        err = open(self.logdir / f"{name}.err", "w")
+        out: Any = subprocess.PIPE if pipes else open(self.logdir / f"{name}.out", "w")
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                                stdout=out, stderr=err, start_new_session=True)
+        proc.bench_name = name  # type: ignore[attr-defined]
+        proc.bench_err = self.logdir / f"{name}.err"  # type: ignore[attr-defined]
+        err.close()  # the child holds its own copy
+        if not pipes:
+            out.close()
+        self.procs.append(proc)
+        return proc
+
+    def close(self, procs: Iterable[subprocess.Popen] | None = None, grace: float = 15.0) -> None:
+        """Wait up to ``grace`` seconds for ``procs`` (default: all) to exit, then killpg the rest."""
+        chosen = list(self.procs if procs is None else procs)
+        deadline = time.monotonic() + grace
+        for proc in chosen:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in chosen:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:  # a dead worker's stdin: the unflushed 'exit' cannot go anywhere
+                        pass
+        self.procs = [p for p in self.procs if p not in chosen]
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def base_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment plus ``extra``; Python output unbuffered."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+
+
+class WorkerGroup:
+    """One system's cluster: scheduler, servers and workers that obey JSON commands."""
+
+    def __init__(self, job: Job, system: System, shape: ClusterShape, worker_argv: list[str]) -> None:
+        self.job = job
+        self.system = system
+        self.shape = shape
+        port = free_port()
+        common = {"DMLC_NUM_WORKER": str(shape.workers), "DMLC_NUM_SERVER": str(shape.servers),
+                  "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+                  "DMLC_NODE_HOST": "127.0.0.1", **system.env}
+        if system.kind == "mxnet":
+            common["DMLC_INTERFACE"] = "lo"
+            role_argv = {role: [sys.executable, "-c", "import mxnet"] for role in ("scheduler", "server")}
+        elif system.kind == "bps":
+            role_argv = {role: [sys.executable, "-m", f"bps_gossip.{role}"] for role in ("scheduler", "server")}
+        else:
+            raise BenchError(f"unknown system kind {system.kind!r}")
+        tag = f"{shape.label}_{system.name.replace(' ', '_').replace('(', '').replace(')', '')}"
+        self.support = [job.spawn(role_argv["scheduler"], base_env({**common, "DMLC_ROLE": "scheduler"}),
+                                  f"{tag}_scheduler")]
+        self.support += [job.spawn(role_argv["server"], base_env({**common, "DMLC_ROLE": "server"}),
+                                   f"{tag}_server{i}") for i in range(shape.servers)]
+        self.workers = [
+            job.spawn([*worker_argv, "--worker-kind", system.kind, "--worker-mode", system.mode],
+                      base_env({**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}),
+                      f"{tag}_worker{i}", pipes=True)
+            for i in range(shape.workers)
+        ]
+        self.buffers = {proc.pid: b"" for proc in self.workers}
+
+    def command(self, message: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+        """Send ``message`` to every worker; return their replies, in worker order.
+
+        Raises BenchError when a worker reports an error, dies, or does not answer in time.
+        """
+        line = (json.dumps(message) + "\n").encode()
+        for proc in self.workers:
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            except BrokenPipeError:
+                raise self._dead(proc, f"while sending {message['cmd']!r}") from None
+        deadline = time.monotonic() + timeout
+        replies = [self._read_reply(proc, deadline, message["cmd"]) for proc in self.workers]
+        errors = [(i, r["error"]) for i, r in enumerate(replies) if "error" in r]
+        if errors:
+            index, text = errors[0]
+            raise BenchError(f"{self.system.name} ({self.shape.label}) worker {index} failed "
+                             f"on {message['cmd']!r}:\n{text}")
+        return replies
+
+    def _read_reply(self, proc: subprocess.Popen, deadline: float, what: str) -> dict[str, Any]:
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                buf = self.buffers[proc.pid]
+                while b"\n" in buf:
+                    raw, buf = buf.split(b"\n", 1)
+                    self.buffers[proc.pid] = buf
+                    text = raw.decode(errors="replace")
+                    if text.startswith(REPLY_PREFIX):
+                        return json.loads(text[len(REPLY_PREFIX):])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BenchError(f"{self.system.name} ({self.shape.label}) worker pid {proc.pid} did not "
+                                     f"answer {what!r} in time; its stderr ends with:\n{tail(proc.bench_err)}")
+                if sel.select(min(left, 1.0)):
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        raise self._dead(proc, f"while waiting for {what!r}")
+                    self.buffers[proc.pid] = buf + chunk
+
+    def _dead(self, proc: subprocess.Popen, when: str) -> BenchError:
+        try:
+            proc.wait(2)
+        except subprocess.TimeoutExpired:
+            pass
+        return BenchError(f"{self.system.name} ({self.shape.label}) worker {proc.bench_name} exited "
+                          f"(rc={proc.poll()}) {when}; stderr ends with:\n{tail(proc.bench_err)}")
+
+    def close(self) -> None:
+        """Ask the workers to leave, let the servers exit by themselves, kill what remains."""
+        for proc in self.workers:
+            try:
+                proc.stdin.write(b'{"cmd": "exit"}\n')
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        self.job.close(self.workers, grace=30.0)
+        self.job.close(self.support, grace=10.0)
+
+
+def start_groups(job: Job, systems: Sequence[System], shape: ClusterShape, worker_argv: list[str]
+                 ) -> list[WorkerGroup]:
+    """Start every system's cluster at once (start-up overlaps) and wait until all are ready."""
+    groups = [WorkerGroup(job, system, shape, worker_argv) for system in systems]
+    for group in groups:
+        group.command({"cmd": "hello"}, STARTUP_TIMEOUT)
+    return groups
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM into SystemExit so that the ``finally`` clauses kill the clusters."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+# -- worker side --------------------------------------------------------------------------
+
+def reply(value: dict[str, Any]) -> None:
+    """Send one reply line to the driver."""
+    sys.stdout.write(REPLY_PREFIX + json.dumps(value) + "\n")
+    sys.stdout.flush()
+
+
+def serve(handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> int:
+    """The worker loop: one JSON command per stdin line, one reply each, until 'exit' or EOF.
+
+    An exception becomes an error reply and ends the worker (rc 1): the driver aborts.
+    """
+    import traceback
+
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        message = json.loads(line)
+        if message["cmd"] == "exit":
+            return 0
+        try:
+            reply(handlers[message["cmd"]](message))
+        except Exception:
+            reply({"error": traceback.format_exc()})
+            return 1
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table, right-aligned columns."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    """What was measured where: the code's location, CPUs and load (other jobs skew results)."""
+    import bps_gossip
+
+    return {"bps_gossip": str(Path(bps_gossip.__file__).parent), "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}
+
+
+def write_json(path: Path | None, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` (when given) as indented JSON."""
+    if path is not None:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"results written to {path}")

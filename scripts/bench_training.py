@@ -1,0 +1,282 @@
+"""Training throughput: mxnet_plugin.DistributedTrainer (allreduce, gossip) against
+gluon.Trainer with MXNet's dist_sync KVStore, same MLP, same synthetic data.
+
+    /tmp/venv/bin/python scripts/bench_training.py --quick
+    /tmp/venv/bin/python scripts/bench_training.py --json training.json
+
+Every system runs its own cluster (1 scheduler, 1 server, N workers) on 127.0.0.1,
+all at once; the driver interleaves them pass by pass. A pass is ``--steps`` training
+steps (forward, backward, trainer.step) after a barrier, ended by ``mx.nd.waitall()``;
+samples/s = workers * batch * steps / the slowest rank's time, median over passes.
+The model is 1024-2048-2048-10 (6.3 M parameters, 25 MB of float32 gradients a step).
+
+MXNet's Trainer gets its dist_sync KVStore as an instance (``mx.kv.create('dist_sync')``,
+what ``kvstore='dist_sync'`` creates too) so that the benchmark can use its barrier;
+with one device it updates on the servers (``update_on_kvstore``), MXNet's default.
+Allreduce and dist_sync keep every rank's parameters identical: the driver checks
+that at the end and aborts if not. A gossip trainer that cannot be built prints n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    BenchError,
+    ClusterShape,
+    Job,
+    System,
+    WorkerGroup,
+    format_table,
+    install_sigterm_handler,
+    machine_info,
+    median,
+    parse_configs,
+    serve,
+    start_groups,
+    write_json,
+)
+
+REFERENCE = "mxnet dist_sync"
+SYSTEMS = [
+    System("ours allreduce", "bps", mode="allreduce"),
+    System("ours gossip", "bps", mode="gossip"),
+    System(REFERENCE, "mxnet", mode="dist_sync"),
+]
+SYNCHRONOUS = ("allreduce", "dist_sync")  # modes whose ranks must end with identical parameters
+LAYERS = (1024, 2048, 2048, 10)
+
+
+# -- worker -------------------------------------------------------------------------------
+
+class TrainingWorker:
+    """Runs inside one worker process: the model, the trainer, the timed steps."""
+
+    def __init__(self, kind: str, mode: str) -> None:
+        import mxnet as mx
+
+        self.mx = mx
+        self.kind = kind
+        self.mode = mode
+        if kind == "bps":
+            import mxnet_plugin as bps
+
+            bps.init()
+            self.bps = bps
+            self.rank, self.size = bps.rank(), bps.size()
+        else:
+            self.kv = mx.kv.create("dist_sync")
+            self.rank, self.size = self.kv.rank, self.kv.num_workers
+        self.trainer: Any = None
+
+    def barrier(self) -> None:
+        """Line the ranks up before a timed pass."""
+        if self.kind == "bps":
+            import bps_gossip
+
+            bps_gossip.barrier()
+        else:
+            self.kv._barrier()
+
+    def hello(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Report rank and size once the rendezvous is done."""
+        return {"rank": self.rank, "size": self.size}
+
+    def setup(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Build model, data and trainer, then run the warm-up steps (first step broadcasts)."""
+        mx = self.mx
+        gluon = mx.gluon
+        mx.random.seed(1000 + self.rank)  # different initial models: the first step must unify them
+        net = gluon.nn.HybridSequential()
+        with net.name_scope():
+            for fan_in, fan_out in zip(LAYERS[:-2], LAYERS[1:-1], strict=True):
+                net.add(gluon.nn.Dense(fan_out, activation="relu", in_units=fan_in))
+            net.add(gluon.nn.Dense(LAYERS[-1], in_units=LAYERS[-2]))
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        self.net = net
+        self.batch = message["batch"]
+        self.data = [(mx.nd.random.normal(shape=(self.batch, LAYERS[0])),
+                      mx.nd.random.randint(0, LAYERS[-1], shape=(self.batch,)).astype("float32"))
+                     for _ in range(4)]
+        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        optimizer = ("sgd", {"learning_rate": 0.01, "momentum": 0.9})
+        try:
+            if self.kind == "bps":
+                self.trainer = self.bps.DistributedTrainer(net.collect_params(), *optimizer, mode=self.mode)
+            else:
+                self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=self.kv)
+        except Exception as exc:
+            return {"unavailable": f"{type(exc).__name__}: {exc}"}
+        self.steps_done = 0
+        self.run_steps(message["warmup"])
+        return {"parameters": sum(int(p.data().size) for p in net.collect_params().values())}
+
+    def run_steps(self, steps: int) -> float:
+        """``steps`` training steps; returns the last loss (mean over the batch)."""
+        loss = None
+        for _ in range(steps):
+            x, y = self.data[self.steps_done % len(self.data)]
+            with self.mx.autograd.record():
+                loss = self.loss_fn(self.net(x), y)
+            loss.backward()
+            self.trainer.step(self.batch)
+            self.steps_done += 1
+        self.mx.nd.waitall()  # MXNet is asynchronous: a step is done when its results exist
+        return float(loss.mean().asscalar()) if loss is not None else math.nan
+
+    def timed_pass(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Barrier, then time ``steps`` steps."""
+        self.barrier()
+        start = time.perf_counter()
+        loss = self.run_steps(message["steps"])
+        seconds = time.perf_counter() - start
+        if not math.isfinite(loss):
+            raise BenchError(f"{self.mode} rank {self.rank}: loss is {loss} after {self.steps_done} steps")
+        return {"seconds": seconds, "loss": loss}
+
+    def checksum(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Sums of every parameter (float64) and of their squares, to compare ranks."""
+        import numpy as np
+
+        if hasattr(self.trainer, "flush"):
+            self.trainer.flush()
+        values = [p.data().asnumpy().astype(np.float64) for p in self.net.collect_params().values()]
+        return {"sum": float(sum(v.sum() for v in values)), "sumsq": float(sum((v * v).sum() for v in values))}
+
+
+def worker_main(kind: str, mode: str) -> int:
+    """Entry point of a worker process (started by the driver with --worker-kind)."""
+    worker = TrainingWorker(kind, mode)
+    code = serve({"hello": worker.hello, "setup": worker.setup, "pass": worker.timed_pass,
+                  "checksum": worker.checksum})
+    if kind == "bps":
+        worker.bps.shutdown()
+    return code
+
+
+# -- driver -------------------------------------------------------------------------------
+
+def check_consistent(group: WorkerGroup) -> dict[str, Any]:
+    """Parameter checksums of every rank; identical ranks are required in synchronous modes."""
+    sums = group.command({"cmd": "checksum"}, 120)
+    distinct = {(s["sum"], s["sumsq"]) for s in sums}
+    if group.system.mode in SYNCHRONOUS and len(distinct) != 1:
+        raise BenchError(f"{group.system.name} ({group.shape.label}): ranks ended with different "
+                         f"parameters: {sums}")
+    return {"identical_ranks": len(distinct) == 1, "checksums": sums}
+
+
+def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on one cluster configuration, interleaved pass by pass."""
+    argv = [sys.executable, str(Path(__file__).resolve())]
+    groups = start_groups(job, SYSTEMS, shape, argv)
+    results: dict[str, Any] = {}
+    try:
+        live = []
+        for group in groups:
+            setup = {"cmd": "setup", "batch": args.batch, "warmup": args.warmup}
+            replies = group.command(setup, 300)
+            reason = next((r["unavailable"] for r in replies if "unavailable" in r), None)
+            if reason is not None:
+                results[group.system.name] = {"unavailable": reason}
+                print(f"note: {group.system.name} ({shape.label}) is n/a: {reason}", flush=True)
+                group.close()  # its ranks may disagree about what failed: stop them now
+                continue
+            results[group.system.name] = {"parameters": replies[0]["parameters"], "pass_seconds": []}
+            live.append(group)
+        for index in range(args.passes):
+            for group in live if index % 2 == 0 else live[::-1]:
+                replies = group.command({"cmd": "pass", "steps": args.steps}, 600)
+                entry = results[group.system.name]
+                entry["pass_seconds"].append(max(r["seconds"] for r in replies))
+                entry["last_loss"] = [r["loss"] for r in replies]
+        for group in live:
+            entry = results[group.system.name]
+            entry.update(check_consistent(group))
+            seconds = median(entry["pass_seconds"])
+            entry["samples_per_s"] = shape.workers * args.batch * args.steps / seconds
+            entry["ms_per_step"] = seconds / args.steps * 1e3
+    finally:
+        for group in groups:
+            group.close()
+    return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "systems": results}
+
+
+def format_results(records: list[dict[str, Any]]) -> str:
+    """One row per (configuration, system): samples/s, ms/step and the ratio to MXNet."""
+    rows = []
+    for rec in records:
+        ref = rec["systems"].get(REFERENCE, {}).get("samples_per_s")
+        for system in SYSTEMS:
+            entry = rec["systems"].get(system.name, {})
+            if "samples_per_s" not in entry:
+                rows.append([rec["config"], system.name, "n/a", "n/a", "n/a"])
+                continue
+            ratio = f"{entry['samples_per_s'] / ref:.2f}x" if ref else "n/a"
+            rows.append([rec["config"], system.name, f"{entry['samples_per_s']:.0f}",
+                         f"{entry['ms_per_step']:.1f}", ratio])
+    return format_table(["config", "system", "samples/s", "ms/step", "ratio vs mxnet"], rows)
+
+
+def parse_args() -> argparse.Namespace:
+    """Command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 workers only, 3 passes of 5 steps")
+    parser.add_argument("--configs", help="comma-separated WwSs shapes (default 2w1s,4w1s; --quick 2w1s)")
+    parser.add_argument("--batch", type=int, default=64, help="samples per worker and step")
+    parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
+    parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after building the trainer")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
+    parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.shapes = parse_configs(args.configs or ("2w1s" if args.quick else "2w1s,4w1s"))
+    args.steps = args.steps or (5 if args.quick else 10)
+    args.passes = args.passes or (3 if args.quick else 5)
+    return args
+
+
+def main() -> int:
+    """Drive every configuration, print the table, write the JSON."""
+    args = parse_args()
+    if args.worker_kind:
+        return worker_main(args.worker_kind, args.worker_mode)
+    install_sigterm_handler()
+    print(f"MLP {'-'.join(map(str, LAYERS))}, batch {args.batch} per worker, {args.steps} steps per pass, "
+          f"median of {args.passes} passes; ratio = samples/s / {REFERENCE}'s (>1: faster than MXNet)\n",
+          flush=True)
+    started = time.monotonic()
+    info = machine_info()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        logdir = args.logdir or Path(tmp)
+        logdir.mkdir(parents=True, exist_ok=True)
+        job = Job(logdir)
+        try:
+            for shape in args.shapes:
+                records.append(bench_shape(job, shape, args))
+                print(format_results(records[-1:]) + "\n", flush=True)
+        except BenchError as exc:
+            print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            job.close(grace=0.0)
+    print("all configurations:\n" + format_results(records))
+    print(f"\ntotal {time.monotonic() - started:.0f} s")
+    write_json(args.json, {"what": "training", "machine_at_start": info, "machine_at_end": machine_info(),
+                           "layers": LAYERS, "batch": args.batch, "steps": args.steps,
+                           "passes": args.passes, "warmup_steps": args.warmup, "results": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
