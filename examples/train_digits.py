@@ -1,7 +1,7 @@
 """Train a small MLP on scikit-learn's digits (shipped inside the package: no download)
-with mxnet_plugin's DistributedTrainer.
+with mxnet_plugin's DistributedTrainer, by gossip (SGP), by allreduce, or both.
 
-    bpslaunch -np 4 python examples/train_digits.py --epochs 10
+    bpslaunch -np 4 python examples/train_digits.py --mode both
 
 Every rank initializes with its own seed (the first step broadcasts rank 0's weights),
 trains on its own shard of the training set, and prints its loss and accuracy per epoch.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import mxnet as mx
 import numpy as np
@@ -44,32 +45,27 @@ def accuracy(net: mx.gluon.nn.Sequential, x: np.ndarray, y: np.ndarray) -> float
     return float((predictions == y).mean())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Train and report; returns the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--mode", choices=["allreduce"], default="allreduce")
-    args = parser.parse_args(argv)
-
-    bps.init()
+def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, Any]:
+    """Train one model in ``mode``; return final accuracy and, with ``log_every``, a per-step history
+    of test accuracy and consensus distance (a collective: every rank records it)."""
     rank, size = bps.rank(), bps.size()
     x_train, y_train, x_test, y_test = load_data()
     x_shard, y_shard = x_train[rank::size], y_train[rank::size]
-
     mx.random.seed(args.seed + rank)  # different on every rank: the broadcast makes them agree
     net = build_net()
     net.initialize(mx.init.Xavier())
-    trainer = bps.DistributedTrainer(net.collect_params(), "sgd",
-                                     {"learning_rate": args.lr, "momentum": 0.9}, mode=args.mode)
+    options = {"graph": args.graph, "peers_per_itr": args.peers_per_itr, "overlap": args.overlap,
+               "average_every": args.average_every} if mode == "gossip" else {}
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": args.lr, "momentum": 0.9},
+                                     mode=mode, **options)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(args.seed + rank)
     steps_per_epoch = len(x_shard) // args.batch_size
-    start = time.time()
+    history: list[dict[str, float]] = []
+    start, step_count = time.time(), 0
     # One bar on rank 0 (the others print their epoch lines only), one update per epoch.
-    bar = tqdm(total=args.epochs, desc="epochs", unit="epoch", disable=rank != 0, file=sys.stderr, ascii=True)
+    bar = tqdm(total=args.epochs, desc=f"{mode} epochs", unit="epoch", disable=rank != 0, file=sys.stderr,
+               ascii=True)
     for epoch in range(args.epochs):
         order = rng.permutation(len(x_shard))
         total_loss = 0.0
@@ -81,14 +77,49 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             trainer.step(args.batch_size)
             total_loss += float(loss.mean().asscalar())
+            step_count += 1
+            if log_every and step_count % log_every == 0:
+                trainer.flush()
+                history.append({"step": step_count, "accuracy": accuracy(net, x_test, y_test),
+                                "consensus_distance": trainer.consensus_distance(),
+                                "seconds": time.time() - start})
         bar.update(1)
-        print(f"rank {rank} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
-              f"train-shard accuracy {accuracy(net, x_shard, y_shard):.4f} "
+        trainer.flush()
+        print(f"rank {rank} {mode} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
               f"test accuracy {accuracy(net, x_test, y_test):.4f}", flush=True)
     bar.close()
+    trainer.flush()
+    distance = trainer.consensus_distance()
     final = accuracy(net, x_test, y_test)
-    print(f"rank {rank} final test accuracy ({args.mode}, {size} workers, "
-          f"{time.time() - start:.1f} s): {final:.4f}", flush=True)
+    return {"mode": mode, "accuracy": final, "consensus_distance": distance, "steps": step_count,
+            "seconds": time.time() - start, "history": history}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The example's command line (scripts/compare_modes.py extends it)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "both"], default="gossip")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--graph", default="npdde", help="gossip topology")
+    parser.add_argument("--peers-per-itr", type=int, default=1)
+    parser.add_argument("--overlap", action="store_true", help="gossip while the next step computes")
+    parser.add_argument("--average-every", type=int, default=0, help="exact average every K steps (0: never)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train and report; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    bps.init()
+    modes = ["gossip", "allreduce"] if args.mode == "both" else [args.mode]
+    results = [train(args, mode) for mode in modes]
+    for result in results:
+        print(f"rank {bps.rank()} final test accuracy ({result['mode']}, {bps.size()} workers, "
+              f"{result['steps']} steps, {result['seconds']:.1f} s): {result['accuracy']:.4f}  "
+              f"consensus distance {result['consensus_distance']:.2e}", flush=True)
     bps.shutdown()
     return 0
 

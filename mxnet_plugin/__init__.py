@@ -9,8 +9,10 @@ Scripts written for ``byteps.mxnet`` run after changing only the import::
 Importing it also registers the 'bpsgossip' KVStore type.
 """
 
-from bps_gossip import init, local_rank, local_size, rank, shutdown, size
+import bps_gossip as _core
+from bps_gossip import init, local_rank, local_size, rank, size
 
+from .gossip_mode import flush_all as _flush_gossip
 from .kvstore import BpsGossip
 from .ops import broadcast, broadcast_, byteps_declare_tensor, byteps_push_pull
 from .optimizer import DistributedOptimizer
@@ -21,3 +23,10 @@ __all__ = [
     "BpsGossip", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
     "byteps_declare_tensor", "byteps_push_pull", "init", "local_rank", "local_size", "rank", "shutdown", "size",
 ]
+
+
+def shutdown() -> None:
+    """Absorb in-flight gossip of every DistributedTrainer, then leave the job."""
+    if _core.is_initialized():
+        _flush_gossip()
+    _core.shutdown()

@@ -1,5 +1,6 @@
-"""DistributedTrainer: gluon.Trainer whose first step broadcasts and whose gradients
-are summed over workers (BytePS's allreduce mode)."""
+"""DistributedTrainer: gluon.Trainer whose first step broadcasts and whose later steps
+either gossip-average the models (SGP, the default) or sum the gradients over workers
+(BytePS's allreduce mode)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import mxnet as mx
 
 import bps_gossip as core
 
+from .gossip_mode import ParameterGossip
 from .ops import finish_push_pull, push_pull_async, to_host
 from .parameters import (
     broadcast_initialized,
@@ -18,7 +20,7 @@ from .parameters import (
     is_initialized,
 )
 
-MODES = ("allreduce",)
+MODES = ("gossip", "allreduce")
 
 
 def _sorted_params(params: Any) -> list[mx.gluon.Parameter]:
@@ -40,23 +42,47 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     The first ``step()`` (or an explicit ``_init_params()``) broadcasts every parameter
     from ``root_rank``; parameters with deferred shapes are broadcast right after their
-    initialization in the first forward. In ``mode='allreduce'`` every step sums the
-    gradients over workers (priority ``-index``, so the first layers come back first)
-    and divides by the number of workers through the optimizer's rescale factor, so
-    ``step(batch_size)`` takes the per-worker batch size, as in BytePS.
+    initialization in the first forward. ``step(batch_size)`` takes the per-worker
+    batch size in both modes.
+
+    ``mode='gossip'`` (default): Stochastic Gradient Push. Each step applies the local
+    optimizer update (momentum and other optimizer state stay local), then mixes the
+    parameters with this round's peers on ``graph`` (npdde, dde, bipartite-exp, linear,
+    bipartite-linear, ring; ``peers_per_itr`` peers per round). ``push_sum=False``
+    uses symmetric push-pull averaging (D-PSGD) instead. ``overlap=True`` lets a round's
+    messages arrive while the next step computes (at most ``synch_freq`` + 1 rounds
+    open). ``average_every=K`` replaces the models by their exact average through the
+    servers every K steps (0: never). Call ``flush()`` before evaluating or saving in
+    overlap mode (``save_states`` does it); ``consensus_distance()`` and
+    ``average_parameters()`` are collectives: call them on every rank.
+
+    ``mode='allreduce'``: every step sums the gradients over workers (priority
+    ``-index``, so the first layers come back first) and divides by the number of
+    workers through the optimizer's rescale factor, as in BytePS.
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,
-                 compression_params: dict | None = None, mode: str = "allreduce") -> None:
+                 compression_params: dict | None = None, mode: str = "gossip", graph: str = "npdde",
+                 peers_per_itr: int = 1, push_sum: bool = True, overlap: bool = False, synch_freq: int = 0,
+                 average_every: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {MODES}")
         if compression_params:
             raise ValueError("DistributedTrainer: gradient compression is not supported yet "
                              f"(compression_params={compression_params!r})")
+        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 0:
+            raise ValueError(f"DistributedTrainer: average_every={average_every!r} must be an int >= 0")
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
         self.mode = mode
         super().__init__(_sorted_params(params), optimizer, optimizer_params=optimizer_params, kvstore=None)
-        self._scale /= core.size()
+        self.average_every = average_every
+        self.num_steps = 0
+        self._gossip: ParameterGossip | None = None
+        if mode == "allreduce":
+            self._scale /= core.size()
+        else:
+            self._gossip = ParameterGossip(self._params, tag="trainer", graph=graph, peers_per_itr=peers_per_itr,
+                                           push_sum=push_sum, overlap=overlap, synch_freq=synch_freq)
         for param in self._params:
             if not is_initialized(param):
                 broadcast_when_initialized(param, self.root_rank)
@@ -67,7 +93,44 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._params_to_init = [param for param in self._params_to_init if not is_initialized(param)]
         broadcast_initialized([(param.name, param.list_data()) for param in ready], self.root_rank)
 
+    # -- gossip mode --------------------------------------------------------------
+    def _update(self, ignore_stale_grad: bool = False) -> None:
+        if self._gossip is None:
+            super()._update(ignore_stale_grad)
+            return
+        before = self._gossip.pack()
+        super()._update(ignore_stale_grad)
+        self._gossip.after_update(before)
+        self.num_steps += 1
+        if self.average_every and self.num_steps % self.average_every == 0:
+            self._gossip.average_exactly()
+
+    def flush(self) -> None:
+        """Absorb in-flight gossip (overlap mode) so that the parameters are final."""
+        if self._gossip is not None:
+            self._gossip.flush()
+
+    def average_parameters(self) -> None:
+        """Make every rank's parameters exactly their average over ranks (collective)."""
+        if self._gossip is None:
+            return  # allreduce mode keeps every rank identical already
+        self._gossip.average_exactly()
+
+    def consensus_distance(self) -> float:
+        """RMS distance of this rank's parameters from their average over ranks (collective)."""
+        if self._gossip is None:
+            return 0.0
+        return self._gossip.consensus_distance()
+
+    def save_states(self, fname: str) -> None:
+        """Absorb in-flight gossip, then save the optimizer states."""
+        self.flush()
+        super().save_states(fname)
+
+    # -- allreduce mode -----------------------------------------------------------
     def _allreduce_grads(self) -> None:
+        if self._gossip is not None:
+            return  # gossip mode: gradients stay local; the models are mixed after the update
         pending = []
         for index, param in enumerate(self._params):
             if param.grad_req == "null":

@@ -3,8 +3,8 @@
 Every worker binds a ROUTER (its address is in the address book) and opens a DEALER
 to a peer the first time it sends to it. A message is tagged (tag, round, source):
 one that arrives before anybody waits for it is kept for its round, so a fast peer's
-round t+1 is never mixed into round t. A wait fails with PeerLostError as soon as a
-peer it needs is lost (or has left and stayed silent), and with CommTimeoutError,
+round t+1 is never mixed into round t. A wait fails with PeerLostError as soon as any
+worker is lost (the job is not elastic), or a peer it needs has left and stayed silent, and with CommTimeoutError,
 naming the ranks that did not send, after BPS_GOSSIP_TIMEOUT.
 """
 
@@ -92,10 +92,8 @@ class PeerChannel:
     def expect(self, tag: str, rnd: int, sources: list[int], handle: Handle) -> None:
         """Complete ``handle`` with {source: (header, arrays)} once every source has sent."""
         wait = PeerWait(tag, rnd, frozenset(sources), handle, time.monotonic() + self.timeout)
-        lost = sorted(wait.sources & set(self.lost))
-        if lost:
-            handle.set_error(PeerLostError(f"gossip {tag!r} round {rnd} on rank {self.rank}: "
-                                           + "; ".join(self.lost[r] for r in lost)))
+        if self.lost:  # a job that is not elastic cannot go on without a lost worker
+            handle.set_error(self._lost_error(wait))
             return
         self.waits.append(wait)
         self._complete((tag, rnd))
@@ -117,10 +115,13 @@ class PeerChannel:
         if how == "lost":
             self.lost[rank] = why
             for wait in list(self.waits):
-                if rank in wait.sources and not self._has(wait, rank):
-                    self._fail(wait, PeerLostError(f"gossip {wait.tag!r} round {wait.rnd} on rank {self.rank}: {why}"))
+                self._fail(wait, self._lost_error(wait))
         else:
             self.left[rank] = (why, time.monotonic())
+
+    def _lost_error(self, wait: PeerWait) -> PeerLostError:
+        return PeerLostError(f"gossip {wait.tag!r} round {wait.rnd} on rank {self.rank}: "
+                             + "; ".join(self.lost.values()) + "; this job is not elastic, so it cannot go on")
 
     def _has(self, wait: PeerWait, src: int) -> bool:
         return src in self.inbox.get((wait.tag, wait.rnd), {})

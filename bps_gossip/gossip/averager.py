@@ -1,0 +1,125 @@
+"""GossipAverager: the state of Stochastic Gradient Push on one worker.
+
+It owns the numerators x (flat numpy buffers, one per dtype group or any key) and the
+push-sum weight w. The trainer applies its local optimizer step to the de-biased model
+z = x / w and hands the displacement back (``apply_update``); ``step`` then runs one
+gossip round. With ``overlap`` the round is only started (its messages leave, the sent
+mass is taken out of x at once) and absorbed at a later step: at most ``synch_freq``
+rounds may stay open, so ``synch_freq=0`` means "one step stale", as in SGP.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+
+import numpy as np
+
+from .. import api
+from .gossipers import PendingRound, PushPull, PushSum
+from .graphs import Graph, make_graph, symmetric_mixing_is_doubly_stochastic
+
+
+class GossipAverager:
+    """Gossip averaging of named flat numpy buffers across all workers (collective: every
+    rank creates one with the same keys, shapes and arguments, and steps it in lockstep)."""
+
+    def __init__(self, buffers: Mapping[str, np.ndarray], graph: str | Graph = "npdde", peers_per_itr: int = 1,
+                 push_sum: bool = True, overlap: bool = False, synch_freq: int = 0, tag: str = "gossip",
+                 mixing: object = None) -> None:
+        self.link = api.peer_link()
+        self.rank, self.size = self.link.rank, self.link.size
+        self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq)
+        self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
+        for key, value in self.x.items():
+            if value.dtype.kind != "f":
+                raise TypeError(f"GossipAverager: buffer {key!r} is {value.dtype}; gossip averages floating point only")
+        self.weight = 1.0
+        self.rnd = 0
+        self.tag = tag
+        self.overlap = overlap
+        self.synch_freq = synch_freq
+        # The weight must travel unless every round is regular, complete and closed at once.
+        track = overlap or not self.graph.is_regular
+        self.gossiper = PushSum(self.graph, self.link, tag, mixing, track) if push_sum else PushPull(self.graph, self.link, tag)
+        self.open: collections.deque[PendingRound] = collections.deque()
+
+    @staticmethod
+    def check_arguments(size: int, graph: str | Graph, peers_per_itr: int, push_sum: bool, overlap: bool,
+                        synch_freq: int) -> Graph:
+        """Validate the arguments (ValueError naming the bad one); return the graph."""
+        if isinstance(synch_freq, bool) or not isinstance(synch_freq, int) or synch_freq < 0:
+            raise ValueError(f"gossip: synch_freq={synch_freq!r} must be an int >= 0")
+        if overlap and not push_sum:
+            raise ValueError("gossip: overlap=True needs push_sum=True (push-pull cannot keep a round open)")
+        built = make_graph(graph, size, peers_per_itr) if isinstance(graph, str) else graph
+        if built.world_size != size:
+            raise ValueError(f"gossip: the graph is for {built.world_size} workers, the job has {size}")
+        if not push_sum and not symmetric_mixing_is_doubly_stochastic(built):
+            raise ValueError(f"gossip: push_sum=False needs neighbours of equal degree; {built.name!r} has not")
+        return built
+
+    # -- the model ----------------------------------------------------------------
+    def debiased(self) -> dict[str, np.ndarray]:
+        """z = x / w, as new arrays."""
+        if self.weight == 1.0:
+            return {key: value.copy() for key, value in self.x.items()}
+        return {key: value / value.dtype.type(self.weight) for key, value in self.x.items()}
+
+    def apply_update(self, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> None:
+        """The local optimizer moved z from ``before`` to ``after``: move x by the same amount
+        (SGP: x <- x - lr * grad(z); the numerator takes the unscaled step)."""
+        for key, value in self.x.items():
+            value += np.asarray(after[key]).reshape(-1) - np.asarray(before[key]).reshape(-1)
+
+    # -- gossip -------------------------------------------------------------------
+    def step(self) -> None:
+        """Run (or, with overlap, start) one gossip round."""
+        if self.size == 1:
+            self.rnd += 1
+            return
+        if self.overlap:
+            while self.open and (len(self.open) > self.synch_freq or self._arrived(self.open[0])):
+                self._absorb(self.open.popleft())
+        pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight)
+        self.rnd += 1
+        if self.overlap:
+            self.open.append(pending)
+        else:
+            self._absorb(pending)
+
+    @staticmethod
+    def _arrived(pending: PendingRound) -> bool:
+        return pending.handle is None or pending.handle.done()
+
+    def _absorb(self, pending: PendingRound) -> None:
+        self.weight = self.gossiper.absorb(pending, self.x, self.weight, api.wait_timeout())
+
+    def flush(self) -> None:
+        """Absorb every open round (before evaluating, saving or stopping)."""
+        while self.open:
+            self._absorb(self.open.popleft())
+
+    # -- exact collectives through the servers ------------------------------------
+    def average_exactly(self) -> None:
+        """Make every rank hold the exact average (sum of x over sum of w), with w = 1."""
+        self.flush()
+        if self.size == 1:
+            return
+        total_weight = api.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]
+        for key, value in self.x.items():
+            api.push_pull(value, f"{self.tag}.average.{key}", average=False, out=value)
+            value /= value.dtype.type(total_weight)
+        self.weight = 1.0
+
+    def consensus_distance(self) -> float:
+        """RMS distance of this rank's z from the average of z over ranks (through the servers)."""
+        z = self.debiased()
+        if self.size == 1:
+            return 0.0
+        total, count = 0.0, 0
+        for key, value in z.items():
+            mean = api.push_pull(value.astype(np.float64), f"{self.tag}.consensus.{key}", average=True)
+            total += float(np.sum((value - mean) ** 2))
+            count += value.size
+        return float(np.sqrt(total / max(count, 1)))

@@ -1,0 +1,119 @@
+"""Gossipers: one round of message exchange over the peer channel.
+
+PushSum (SGP): send (p * x, p * w) to each out-peer of the round, keep p, and add what
+the in-peers sent. Column-stochastic, so the sums of x and of w over all ranks never
+change; z = x / w is the de-biased model. ``begin`` scales x and w down at once (the
+sent mass is in flight), ``absorb`` adds the received mass, so a round can stay open
+while the next step computes (overlap) without breaking the mass balance.
+
+PushPull (D-PSGD): send the full x to each neighbour of a symmetric, regular round
+and replace x by the uniform average of itself and its neighbours: doubly stochastic,
+so no weight is needed; x must not change between ``begin`` and ``absorb``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..worker.handle import Handle
+from .graphs import Graph, symmetric_mixing_is_doubly_stochastic
+from .mixing import UniformMixing
+
+
+@dataclasses.dataclass
+class PendingRound:
+    """A round whose messages were sent and whose receipts may not be in yet."""
+
+    rnd: int
+    handle: Handle | None  # None when the round has no in-peers
+    sources: list[int]
+
+
+def _wire(header: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    return {**header, "keys": keys}
+
+
+class PushSum:
+    """Push-sum over a directed (possibly irregular) graph; see the module docstring."""
+
+    def __init__(self, graph: Graph, link: Any, tag: str, mixing: Any = None, track_weight: bool = True) -> None:
+        self.graph = graph
+        self.link = link
+        self.tag = tag
+        self.mixing = mixing or UniformMixing()
+        self.track_weight = track_weight
+
+    def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float) -> tuple[PendingRound, float]:
+        """Send this round's shares and keep ours: scales ``x`` in place; returns the kept weight."""
+        rank = self.link.rank
+        out_peers = self.graph.out_peers(rank, rnd)
+        sources = self.graph.in_peers(rank, rnd)
+        handle = self.link.expect(self.tag, rnd, sources) if sources else None
+        kept, shares = self.mixing.weights(rank, out_peers)
+        keys = list(x)
+        cache: dict[float, list[np.ndarray]] = {}
+        for peer, share in shares.items():
+            arrays = cache.get(share)
+            if arrays is None:  # uniform mixing: one scaled copy serves every peer
+                arrays = cache[share] = [x[k] * x[k].dtype.type(share) for k in keys]
+            header = {"tag": self.tag, "round": rnd, "weight": share * weight if self.track_weight else None}
+            self.link.send(peer, _wire(header, keys), arrays)
+        for key in keys:
+            x[key] *= x[key].dtype.type(kept)
+        # Untracked (regular graph, closed at once): kept + received weights sum to 1 exactly.
+        return PendingRound(rnd, handle, sources), kept * weight if self.track_weight else weight
+
+    def absorb(self, pending: PendingRound, x: Mapping[str, np.ndarray], weight: float,
+               timeout: float | None = None) -> float:
+        """Wait for the round's messages and add them to ``x``; returns the new weight."""
+        if pending.handle is None:
+            return weight
+        received = pending.handle.wait(timeout)
+        for src in pending.sources:
+            header, arrays = received[src]
+            for key, array in zip(header["keys"], arrays, strict=True):
+                x[key] += array
+            if self.track_weight:
+                weight += float(header["weight"])
+        return weight
+
+
+class PushPull:
+    """Symmetric averaging with the neighbours of each round (D-PSGD); see the module docstring."""
+
+    def __init__(self, graph: Graph, link: Any, tag: str) -> None:
+        if not symmetric_mixing_is_doubly_stochastic(graph):
+            raise ValueError(f"push_sum=False needs neighbours of equal degree (doubly stochastic mixing); "
+                             f"{graph.name!r} does not have them: use push_sum=True")
+        self.graph = graph
+        self.link = link
+        self.tag = tag
+
+    def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float) -> tuple[PendingRound, float]:
+        """Send x to every neighbour of the round."""
+        neighbours = self.graph.symmetric_peers(self.link.rank, rnd)
+        handle = self.link.expect(self.tag, rnd, neighbours) if neighbours else None
+        keys = list(x)
+        arrays = [x[k].copy() for k in keys]  # x is rewritten by absorb while the send may be in flight
+        for peer in neighbours:
+            self.link.send(peer, _wire({"tag": self.tag, "round": rnd, "weight": None}, keys), arrays)
+        return PendingRound(rnd, handle, neighbours), weight
+
+    def absorb(self, pending: PendingRound, x: Mapping[str, np.ndarray], weight: float,
+               timeout: float | None = None) -> float:
+        """Average x with what the neighbours sent."""
+        if pending.handle is None:
+            return weight
+        received = pending.handle.wait(timeout)
+        scale = 1.0 / (len(pending.sources) + 1)
+        for src in pending.sources:
+            header, arrays = received[src]
+            for key, array in zip(header["keys"], arrays, strict=True):
+                x[key] += array
+        for key in x:
+            x[key] *= x[key].dtype.type(scale)
+        return weight

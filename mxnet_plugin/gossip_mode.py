@@ -1,0 +1,103 @@
+"""Gossip mode of DistributedTrainer: Gluon parameters <-> the core's GossipAverager.
+
+Parameters are grouped by dtype into flat host buffers (one message per group and
+peer). After the local optimizer update, the displacement of each parameter is
+handed to the averager (the numerator takes the step), one gossip round runs, and the
+de-biased model z = x / w is written back into every device copy, so forward always
+sees z. Non-floating-point parameters are not gossiped (they keep root's value from
+the first-step broadcast).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+import bps_gossip as core
+from bps_gossip.gossip.averager import GossipAverager
+
+from .ops import to_device, to_host
+
+_live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
+
+
+def flush_all() -> None:
+    """Absorb in-flight gossip of every live gossip trainer (called before shutdown)."""
+    for gossip in list(_live):
+        gossip.flush()
+
+
+class ParameterGossip:
+    """Packs a trainer's parameters into dtype groups and runs SGP on them."""
+
+    def __init__(self, params: list[mx.gluon.Parameter], tag: str, **averager_args: Any) -> None:
+        self.params = params
+        self.tag = tag
+        averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
+        self.averager_args = averager_args
+        self.averager: GossipAverager | None = None
+        self.layout: dict[str, list[tuple[mx.gluon.Parameter, int, int]]] = {}
+        _live.add(self)
+
+    def _build_layout(self) -> None:
+        offsets: dict[str, int] = {}
+        for param in self.params:
+            dtype = np.dtype(param.dtype)
+            if dtype.kind != "f":
+                continue
+            key = dtype.name
+            size = int(np.prod(param.shape))
+            self.layout.setdefault(key, []).append((param, offsets.get(key, 0), size))
+            offsets[key] = offsets.get(key, 0) + size
+
+    def pack(self) -> dict[str, np.ndarray]:
+        """The parameters' current values (first device copy), as flat buffers by dtype."""
+        if not self.layout:
+            self._build_layout()
+        buffers = {}
+        for key, entries in self.layout.items():
+            total = sum(size for _, _, size in entries)
+            flat = np.empty(total, dtype=np.dtype(key))
+            for param, offset, size in entries:
+                flat[offset:offset + size] = to_host(param.list_data()[0]).reshape(-1)
+            buffers[key] = flat
+        return buffers
+
+    def unpack(self, buffers: dict[str, np.ndarray]) -> None:
+        """Write flat buffers back into every device copy of every parameter."""
+        for key, entries in self.layout.items():
+            flat = buffers[key]
+            for param, offset, size in entries:
+                value = flat[offset:offset + size].reshape(param.shape)
+                for copy in param.list_data():
+                    to_device(value, copy)
+
+    def after_update(self, before: dict[str, np.ndarray]) -> None:
+        """The optimizer moved the parameters from ``before``: gossip, then write z back."""
+        if self.averager is None:
+            self.averager = GossipAverager(before, tag=self.tag, **self.averager_args)
+        self.averager.apply_update(before, self.pack())
+        self.averager.step()
+        self.unpack(self.averager.debiased())
+
+    def flush(self) -> None:
+        """Absorb every open gossip round and write z back."""
+        if self.averager is not None and self.averager.open:
+            self.averager.flush()
+            self.unpack(self.averager.debiased())
+
+    def average_exactly(self) -> None:
+        """Make every rank's parameters the exact average (through the servers)."""
+        if self.averager is None:
+            self.averager = GossipAverager(self.pack(), tag=self.tag, **self.averager_args)
+        self.averager.average_exactly()
+        self.unpack(self.averager.debiased())
+
+    def consensus_distance(self) -> float:
+        """RMS distance of this rank's parameters from the average over ranks."""
+        if self.averager is None:
+            self.averager = GossipAverager(self.pack(), tag=self.tag, **self.averager_args)
+        return self.averager.consensus_distance()

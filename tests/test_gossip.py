@@ -1,0 +1,159 @@
+"""Gossip invariants on real processes: mass conservation, exact averaging, de-biasing,
+and a dead peer failing the round (GossipAverager over the workers' peer channel)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from cluster import assert_all_ok
+
+GRAPHS = ["npdde", "dde", "bipartite-exp", "linear", "bipartite-linear", "ring"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [3, 4])
+def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers):
+    job = cluster(workers)
+    done = job.run_workers(f"""
+        import numpy as np, bps_gossip as bps
+        from bps_gossip.gossip.averager import GossipAverager
+        bps.init()
+        rank, size = bps.rank(), bps.size()
+        w0 = np.linspace(-1, 1, 7)
+        grad = np.arange(7) * 0.1 + rank       # a constant gradient per rank
+        lr, steps = 0.05, 6
+        out = {{}}
+        for graph in {GRAPHS!r}:
+            for overlap in (False, True):
+                for push_sum in ((True, False) if not overlap else (True,)):
+                    tag = f"{{graph}}-{{overlap}}-{{push_sum}}"
+                    try:
+                        avg = GossipAverager({{"w": w0}}, graph=graph, overlap=overlap, push_sum=push_sum, tag=tag)
+                    except ValueError as exc:   # push-pull needs a regular graph
+                        out[tag] = str(exc)
+                        continue
+                    for _ in range(steps):
+                        z = avg.debiased()
+                        avg.apply_update(z, {{"w": z["w"] - lr * grad}})
+                        avg.step()
+                    avg.flush()
+                    out[tag] = [avg.x["w"].tolist(), avg.weight, avg.debiased()["w"].tolist()]
+        report(out)
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    results = [f.result for f in done]
+    w0 = np.linspace(-1, 1, 7)
+    mean_grad = np.mean([np.arange(7) * 0.1 + r for r in range(workers)], axis=0)
+    exact = w0 - 0.05 * 6 * mean_grad
+    for tag in results[0]:
+        if isinstance(results[0][tag], str):
+            continue
+        xs = np.array([r[tag][0] for r in results])
+        ws = np.array([r[tag][1] for r in results])
+        zs = np.array([r[tag][2] for r in results])
+        assert np.allclose(xs.sum(axis=0) / ws.sum(), exact, atol=1e-12), tag
+        assert math.isclose(ws.sum(), workers, rel_tol=1e-12), tag
+        assert np.allclose(zs.mean(axis=0), exact, atol=1e-12), tag  # regular graphs: w back to 1 after flush
+    job.wait_servers_exit()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers,peers,rounds", [(2, 1, 1), (4, 1, 2), (8, 1, 3), (9, 2, 2)])
+def test_exact_average_after_log_rounds(cluster, workers, peers, rounds):
+    job = cluster(workers)
+    done = job.run_workers(f"""
+        import numpy as np, bps_gossip as bps
+        from bps_gossip.gossip.averager import GossipAverager
+        bps.init()
+        avg = GossipAverager({{"w": np.full(5, float(bps.rank() * 3 + 1))}}, graph="npdde", peers_per_itr={peers})
+        for _ in range({rounds}):
+            avg.step()
+        report(avg.debiased()["w"].tolist())
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    expected = np.mean([r * 3 + 1 for r in range(workers)])
+    for f in done:
+        assert np.allclose(f.result, expected, rtol=0, atol=1e-12), (f.rank_hint, f.result, expected)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [3, 5, 6])
+def test_geometric_convergence_other_sizes(cluster, workers):
+    job = cluster(workers)
+    done = job.run_workers("""
+        import numpy as np, bps_gossip as bps
+        from bps_gossip.gossip.averager import GossipAverager
+        bps.init()
+        avg = GossipAverager({"w": np.full(3, float(bps.rank() ** 2))}, graph="npdde")
+        distances = []
+        for _ in range(18):
+            avg.step()
+            distances.append(avg.consensus_distance())
+        report(distances)
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    for f in done:
+        d = f.result
+        # geometric: the worst distance of each window of 6 rounds (a multiple of every period
+        # here) is at most half that of the window before
+        windows = [max(d[t:t + 6]) for t in range(0, 18, 6)]
+        assert all(later < 0.5 * earlier for earlier, later in zip(windows, windows[1:], strict=False)), d
+
+
+@pytest.mark.timeout(120)
+def test_push_sum_debiasing_on_irregular_schedule(cluster):
+    job = cluster(3)
+    done = job.run_workers("""
+        import numpy as np, bps_gossip as bps
+        from bps_gossip.gossip.averager import GossipAverager
+        from bps_gossip.gossip.graphs import ExplicitGraph
+        bps.init()
+        # rank 0 sends to both others, rank 1 only to 2, rank 2 only to 0: not regular
+        graph = ExplicitGraph(3, [{0: [1, 2], 1: [2], 2: [0]}])
+        avg = GossipAverager({"w": np.array([float(bps.rank()) * 6])}, graph=graph)
+        for _ in range(60):
+            avg.step()
+        report([avg.x["w"][0], avg.weight, avg.debiased()["w"][0]])
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    true_average = (0 + 6 + 12) / 3
+    numerators = [f.result[0] for f in done]
+    for f in done:
+        assert f.result[2] == pytest.approx(true_average, abs=1e-9)
+    assert not all(n == pytest.approx(true_average, abs=1e-3) for n in numerators), numerators
+    assert sum(f.result[1] for f in done) == pytest.approx(3.0)
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_fails_the_round_with_its_rank(cluster):
+    job = cluster(3)
+    done = job.run_workers("""
+        import os, time, numpy as np, bps_gossip as bps
+        from bps_gossip.gossip.averager import GossipAverager
+        bps.init()
+        avg = GossipAverager({"w": np.ones(4)}, graph="ring")
+        avg.step()
+        if bps.rank() == 1:
+            os.kill(os.getpid(), 9)
+        start = time.time()
+        try:
+            for _ in range(5):
+                avg.step()
+            report(["no error"])
+        except bps.BpsGossipError as exc:
+            report([type(exc).__name__, str(exc), time.time() - start])
+        bps.shutdown()
+    """)
+    survivors = [f for f in done if f.rank_hint != 1]
+    for f in survivors:
+        assert f.returncode == 0, job.dump()
+        kind, message, seconds = f.result
+        assert kind in ("PeerLostError", "CommTimeoutError"), message
+        assert "rank 1" in message
+        assert seconds < 8

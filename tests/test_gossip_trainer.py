@@ -1,0 +1,106 @@
+"""DistributedTrainer in gossip mode on real processes: it trains digits as well as
+allreduce does, keeps the SGD trajectory of the mean, and its collectives work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cluster import assert_all_ok
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.timeout(300)
+def test_gossip_reaches_allreduce_accuracy_on_digits(cluster):
+    job = cluster(4)
+    done = job.run_workers(f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        import mxnet_plugin as bps
+        from train_digits import build_parser, train
+        bps.init()
+        args = build_parser().parse_args(["--epochs", "6"])
+        results = {{mode: train(args, mode) for mode in ("gossip", "allreduce")}}
+        report({{mode: [r["accuracy"], r["consensus_distance"], r["steps"]] for mode, r in results.items()}})
+        bps.shutdown()
+    """, timeout=280)
+    assert_all_ok(done, job)
+    for f in done:
+        gossip, allreduce = f.result["gossip"], f.result["allreduce"]
+        assert gossip[2] == allreduce[2]  # same number of steps
+        assert allreduce[0] > 0.9, f.result
+        assert gossip[0] >= allreduce[0] - 0.01, f.result
+        assert allreduce[1] == 0.0
+        assert gossip[1] < 0.05, f.result
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_trainer_mean_follows_sgd_and_average_parameters(cluster, overlap):
+    job = cluster(3)
+    done = job.run_workers(f"""
+        import mxnet as mx, numpy as np, mxnet_plugin as bps
+        bps.init()
+        rank = bps.rank()
+        net = mx.gluon.nn.Dense(4, in_units=3, use_bias=True)
+        net.initialize(mx.init.Constant(0.5))
+        trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {{"learning_rate": 0.1}},
+                                         graph="ring", overlap={overlap})
+        assert trainer.mode == "gossip"
+        # constant per-rank gradients: d(sum(W x + b))/dW = x, with x fixed per rank
+        x = mx.nd.full((1, 3), rank + 1.0)
+        for _ in range(5):
+            with mx.autograd.record():
+                loss = net(x).sum()
+            loss.backward()
+            trainer.step(1)
+        trainer.flush()
+        weight = net.weight.data().asnumpy().tolist()
+        distance = trainer.consensus_distance()
+        trainer.average_parameters()
+        averaged = net.weight.data().asnumpy().tolist()
+        report([weight, distance, averaged, trainer.consensus_distance()])
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    weights = np.array([f.result[0] for f in done])
+    # mean gradient over ranks of x = rank + 1 is 2; 5 steps of lr 0.1
+    assert np.allclose(weights.mean(axis=0), 0.5 - 0.1 * 5 * 2.0, atol=1e-5)
+    assert all(f.result[1] > 0 for f in done)  # a ring mixes slowly: not yet in consensus
+    averaged = np.array([f.result[2] for f in done])
+    assert np.allclose(averaged, weights.mean(axis=0), atol=1e-5)
+    assert all(f.result[3] < 1e-6 for f in done)
+
+
+@pytest.mark.timeout(120)
+def test_gossip_trainer_bad_arguments(cluster):
+    job = cluster(1, start_servers=False)
+    done = job.run_workers("""
+        import mxnet as mx, mxnet_plugin as bps
+        bps.init()
+        net = mx.gluon.nn.Dense(2, in_units=2)
+        net.initialize()
+        errors = []
+        for kwargs in ({"mode": "bogus"}, {"graph": "nope"}, {"average_every": -1}, {"root_rank": 3},
+                       {"push_sum": False, "overlap": True}):
+            try:
+                trainer = bps.DistributedTrainer(net.collect_params(), "sgd", **kwargs)
+                with mx.autograd.record():
+                    loss = net(mx.nd.ones((1, 2))).sum()
+                loss.backward()
+                trainer.step(1)
+                errors.append("no error")
+            except ValueError as exc:
+                errors.append(str(exc))
+        report(errors)
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    errors = done[0].result
+    assert "mode='bogus'" in errors[0]
+    assert "nope" in errors[1]
+    assert "average_every" in errors[2]
+    assert "root_rank=3" in errors[3]
+    assert "overlap" in errors[4]
