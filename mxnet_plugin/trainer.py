@@ -23,8 +23,8 @@ from .parameters import (
 MODES = ("gossip", "allreduce")
 
 
-def _sorted_params(params: Any) -> list[mx.gluon.Parameter]:
-    """Parameters sorted by name, so every rank numbers them the same way."""
+def _given_params(params: Any) -> list[mx.gluon.Parameter]:
+    """The parameters in the order the network registered them (roughly forward order)."""
     if isinstance(params, (mx.gluon.ParameterDict, Mapping)):
         items = list(params.values())
     elif isinstance(params, (list, tuple)):
@@ -34,7 +34,7 @@ def _sorted_params(params: Any) -> list[mx.gluon.Parameter]:
     for param in items:
         if not isinstance(param, mx.gluon.Parameter):
             raise TypeError(f"DistributedTrainer: {param!r} is not a gluon Parameter")
-    return sorted(items, key=lambda p: p.name)
+    return items
 
 
 class DistributedTrainer(mx.gluon.Trainer):
@@ -74,7 +74,14 @@ class DistributedTrainer(mx.gluon.Trainer):
             raise ValueError(f"DistributedTrainer: average_every={average_every!r} must be an int >= 0")
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
         self.mode = mode
-        super().__init__(_sorted_params(params), optimizer, optimizer_params=optimizer_params, kvstore=None)
+        given = _given_params(params)
+        # Sorted by name so that every rank numbers them alike (BytePS does the same).
+        super().__init__(sorted(given, key=lambda p: p.name), optimizer, optimizer_params=optimizer_params,
+                         kvstore=None)
+        # Backward produces gradients roughly in reverse registration order: staging them in
+        # that order lets the last layers' push_pulls run while earlier layers still compute.
+        index_of = {id(param): index for index, param in enumerate(self._params)}
+        self._ready_order = [(index_of[id(p)], p) for p in reversed(given)]
         self.average_every = average_every
         self.num_steps = 0
         self._gossip: ParameterGossip | None = None
@@ -132,7 +139,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         if self._gossip is not None:
             return  # gossip mode: gradients stay local; the models are mixed after the update
         pending = []
-        for index, param in enumerate(self._params):
+        for index, param in self._ready_order:
             if param.grad_req == "null":
                 continue
             grads = param.list_grad()
