@@ -101,6 +101,8 @@ class Engine:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._broken: BpsGossipError | None = None
+        self._dead: BpsGossipError | None = None  # set once the engine thread has ended
+        self._sched_silent = False
         self._seqs: dict[str, int] = {}
         self._seq_lock = threading.Lock()
         self._order = itertools.count()
@@ -153,8 +155,37 @@ class Engine:
         """Hand work to the engine thread."""
         if not self._running:
             raise NotInitializedError("bps_gossip was shut down; call init() again first")
+        if self._dead is not None:  # nobody reads the inbox any more: fail at once, never hang
+            self._fail_item(kind, payload, self._dead)
+            return
         self._inbox.put((kind, payload))
         os.write(self._wake_w, b".")
+        if self._dead is not None:  # the thread ended meanwhile and may have missed this item
+            self._fail_inbox()
+
+    @staticmethod
+    def _fail_item(kind: str, payload: Any, error: BaseException) -> None:
+        """Complete the handle of an inbox item that will never run (a stop has nothing left to do)."""
+        if kind == "stop":
+            payload.set_result(None)
+            return
+        if kind == "op":
+            handle = payload.handle
+        elif kind == "peer_expect":
+            handle = payload[-1]
+        elif kind in ("barrier", "stats"):
+            handle = payload
+        else:
+            return  # peer_send: nothing waits for it
+        handle.set_error(error)
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._fail_item(kind, payload, self._dead)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Leave the job gracefully and stop the engine thread."""
@@ -190,6 +221,8 @@ class Engine:
             self._fail_everything(PeerLostError(f"bps_gossip engine crashed: {exc!r}"))
         finally:
             self._close_sockets()
+            self._dead = self._broken or NotInitializedError("bps_gossip was shut down")
+            self._fail_inbox()
 
     def _register(self) -> None:
         cfg = self.config
@@ -309,10 +342,7 @@ class Engine:
                 self._leave(payload)
                 return
             if self._broken is not None:
-                handle = {"op": getattr(payload, "handle", None), "peer_expect": payload[-1],
-                          "barrier": payload, "stats": payload}.get(kind) if kind != "peer_send" else None
-                if handle is not None:
-                    handle.set_error(self._broken)
+                self._fail_item(kind, payload, self._broken)
                 continue
             if kind == "op":
                 self._enqueue(payload)
@@ -492,6 +522,7 @@ class Engine:
     def _check_deadlines(self, now: float) -> None:
         silent = now - self._last_sched
         if self._broken is None and silent > self.config.heartbeat_timeout:
+            self._sched_silent = True
             self._fail_everything(PeerLostError(
                 f"the scheduler at {self.config.scheduler_address} stopped answering "
                 f"({silent:.1f} s without a message) [on rank {self.book.rank}]"))
@@ -509,7 +540,8 @@ class Engine:
     def _leave(self, handle: Handle) -> None:
         self._fail_everything(NotInitializedError("bps_gossip was shut down while this operation was pending"))
         send_message(self.sched, {"op": "leave"})
-        deadline = time.monotonic() + min(5.0, self.config.timeout)
+        # A scheduler that stopped answering will not say bye either: do not wait for it.
+        deadline = time.monotonic() + (0.0 if self._sched_silent else min(5.0, self.config.timeout))
         while time.monotonic() < deadline and self.sched.poll(int((deadline - time.monotonic()) * 1000) + 1):
             _, msg, _ = recv_message(self.sched, routed=False)
             if msg["op"] in ("bye", "refused"):
