@@ -165,7 +165,7 @@ def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority
     """
     runtime = _rt("push_pull")
     check_name(name, "push_pull")
-    check_array(array, name, "push_pull")
+    array = check_array(array, name, "push_pull")
     if out is not None:
         check_out(out, array, name, "push_pull")
     what = f"push_pull({name!r})"
@@ -201,7 +201,7 @@ def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
     """
     runtime = _rt("broadcast")
     check_name(name, "broadcast")
-    check_array(array, name, "broadcast")
+    array = check_array(array, name, "broadcast")
     if out is not None:
         check_out(out, array, name, "broadcast")
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) \

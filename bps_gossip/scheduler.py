@@ -23,7 +23,7 @@ from .config import Config, load_config
 from .errors import BpsGossipError, ConfigError, ProtocolError
 from .logs import get_logger
 from .membership import Membership, Node
-from .transport import recv_message, send_message
+from .transport import recv_message, send_message, shm
 
 
 class Scheduler:
@@ -106,6 +106,11 @@ class Scheduler:
         notice = {"op": f"node_{how}", "role": node.role, "rank": node.rank, "pid": node.pid,
                   "host": node.host, "why": reason}
         self._tell_everyone(notice, skip=node.uid)
+        if how == "lost" and node.role == "worker" and node.host == self.config.node_host:
+            # A killed worker cannot unlink its shared memory (its resource tracker may be gone too).
+            removed = shm.sweep(self.config.job_id, node.pid)
+            if removed:
+                self.log.info("removed %d shared-memory segments of %s", removed, node.describe())
         if node.role == "worker":
             for seq, waiting in list(self.barriers.items()):
                 for member in waiting:

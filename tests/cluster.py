@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bps_gossip.transport import shm
+
 FAST_ENV = {
     "BPS_GOSSIP_TIMEOUT": "10",
     "BPS_GOSSIP_HEARTBEAT_INTERVAL": "0.2",
@@ -166,8 +168,9 @@ class Cluster:
                 pass
 
     def close(self) -> None:
-        """Kill what is left and close the output files."""
+        """Kill what is left, remove the job's shared memory, and close the output files."""
         self.kill_all()
+        self.leftover_segments = shm.sweep(str(self.port))
         for proc in self.procs:
             proc.out_file.close()
             proc.err_file.close()

@@ -28,7 +28,10 @@ def check_name(name: object, where: str) -> str:
 
 
 def check_array(array: object, name: str, where: str) -> np.ndarray:
-    """Return ``array`` as an ndarray of a supported dtype, else raise TypeError."""
+    """Return ``array`` as an ndarray of a supported dtype (a numpy scalar becomes a 0-d
+    array), else raise TypeError."""
+    if isinstance(array, np.generic):
+        array = np.asarray(array)
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{where}({name!r}): expected a numpy.ndarray, got {type(array).__name__}")
     if array.dtype not in SUPPORTED_DTYPES:
