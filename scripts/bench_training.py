@@ -233,7 +233,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="samples per worker and step")
     parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
     parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after building the trainer")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps after building the trainer")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
