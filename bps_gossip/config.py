@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -94,6 +95,8 @@ def _float(env: Mapping[str, str], name: str, default: float, positive: bool = T
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number (seconds)") from None
+    if not math.isfinite(value):  # inf would overflow every poll timeout
+        raise ConfigError(f"{name}={raw!r} must be a finite number of seconds")
     if positive and not value > 0:
         raise ConfigError(f"{name}={raw!r} must be > 0")
     return value
@@ -212,5 +215,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
                 f"at DMLC_PS_ROOT_URI={root_uri})"
             )
         if num_server < 1:
-            raise ConfigError("DMLC_NUM_SERVER must be >= 1 for a distributed job")
+            raise ConfigError(f"DMLC_NUM_SERVER={num_server} must be >= 1 for a distributed job")
     return config

@@ -220,10 +220,13 @@ class Server:
         rank = int(msg["rank"])
         why = f"worker rank {rank} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
         self.gone[rank] = why
+        # Pushes are refused from now on (the job is not elastic), so no open round can
+        # complete, not even one the gone worker already pushed to: fail them all now.
+        why = "; ".join(self.gone.values())
         for rnd in list(self.rounds.values()):
-            if rank not in rnd.pushes and rnd.error is None:
+            if rnd.error is None:
                 self._fail_round(rnd, "lost", f"tensor {rnd.name!r}: {why}")
-                self.rounds.pop(rnd.rid, None)
+            self.rounds.pop(rnd.rid, None)
 
     def _on_stats(self, route: bytes, msg: dict[str, Any]) -> None:
         send_message(self.sock, {

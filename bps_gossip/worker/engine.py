@@ -128,6 +128,9 @@ class Engine:
         self._ready.wait()
         if self._init_error is not None:
             self._thread.join(timeout=5)
+            self._running = False
+            os.close(self._wake_r)  # an init() that is retried must not leak two descriptors each time
+            os.close(self._wake_w)
             raise self._init_error
         assert self.book is not None
         return self.book
