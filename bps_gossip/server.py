@@ -47,6 +47,11 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small
+        # partitions in flight would lose results and hang. Every reply answers a push, so
+        # the queue is bounded by what the workers sent.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.addr = bind_random_port(self.sock, config.node_host, config.port)
         self.sched = self.ctx.socket(zmq.DEALER)
         self.sched.setsockopt(zmq.LINGER, 1000)

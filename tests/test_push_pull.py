@@ -308,3 +308,26 @@ def test_barrier_waits_for_every_rank(cluster, workers):
             assert max(t[i][1] - t[i][0] for t in times) >= 0.4, (i, times)
     if workers > 1:
         job.wait_servers_exit()
+
+
+@pytest.mark.timeout(90)
+def test_thousands_of_partitions_in_flight(cluster):
+    # ~6000 partitions of one tensor plus 2000 small tensors, all queued at once: the engine
+    # must keep heart-beating and reading results while it sends, and no reply may be dropped.
+    job = cluster(2, 1, {**SMALL_PARTS, "BPS_GOSSIP_SHM": "0"})
+    done = job.run_workers('''
+        import numpy as np, bps_gossip as bps
+        bps.init()
+        rank = bps.rank()
+        handles = [bps.push_pull_async(np.full(6_000_000, rank + 1, np.float32), "huge", average=False)]
+        handles += [bps.push_pull_async(np.full(10, i + rank, np.int32), f"tiny{i}", average=False)
+                    for i in range(2000)]
+        results = [bps.synchronize(h) for h in handles]
+        report({"huge": bool((results[0] == 3).all()),
+                "tiny": all((r == 2 * i + 1).all() for i, r in enumerate(results[1:]))})
+        bps.shutdown()
+    ''', timeout=75)
+    assert_all_ok(done, job)
+    for f in done:
+        assert f.result == {"huge": True, "tiny": True}
+    job.wait_servers_exit()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import os
 import queue
 import threading
@@ -50,6 +51,7 @@ _ERROR_KINDS: dict[str, type[BpsGossipError]] = {
     "timeout": CommTimeoutError,
     "protocol": ProtocolError,
 }
+DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,6 +117,7 @@ class Engine:
         self._barrier_seq = 0
         self._stats: dict[int, tuple[Handle, list[Any]]] = {}
         self._lost_servers: dict[int, str] = {}
+        self._heard: dict[int, float] = {}  # server index -> when it last sent anything
         self.channel: PeerChannel | None = None
         self.segments = SegmentPool(config.job_id) if config.shm and shm_available() else None
         self.shm_servers: set[int] = set()  # servers on this host: payloads go through shared memory
@@ -268,6 +271,10 @@ class Engine:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.uid)
+            # No high-water mark: a full queue would block this thread (no heartbeats, no
+            # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
             sock.connect(addr)
             self.servers.append(sock)
         self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log)
@@ -291,13 +298,14 @@ class Engine:
             poller.register(sock, zmq.POLLIN)
         interval = self.config.heartbeat_interval
         next_beat = 0.0
+        more = False  # partitions ready to go: do not sleep in poll
         while self._running:
             now = time.monotonic()
             if now >= next_beat:
                 send_message(self.sched, {"op": "heartbeat"})
                 next_beat = now + interval
                 self._check_deadlines(now)
-            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+            wait_ms = 0 if more else max(0, int((next_beat - time.monotonic()) * 1000))
             events = dict(poller.poll(min(wait_ms, 200)))
             if self._wake_r in events:
                 self._drain_inbox()
@@ -308,10 +316,12 @@ class Engine:
             for index, sock in enumerate(self.servers):
                 if sock in events:
                     self._drain(sock, lambda msg, frames, i=index: self._on_server(i, msg, frames))
-            self._dispatch()
+            more = self._dispatch()
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> None:
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(1024):  # bounded, so a backlog of replies never delays a heartbeat for long
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 _, msg, frames = recv_message(sock, routed=False)
                 handler(msg, frames)
@@ -380,9 +390,16 @@ class Engine:
         # missing ranks; this backstop only fires when a server itself does not answer.
         return self.config.timeout + 2 * self.config.heartbeat_interval + 1.0
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> bool:
+        """Send partitions in priority order while credit lasts; True if some are still ready.
+
+        Small pushes use no credit, so a pass sends at most DISPATCH_BATCH of them: the loop
+        in between reads replies and keeps heart-beating however many partitions are queued.
+        """
         credit = self.config.scheduling_credit
-        while self._heap and len(self._unacked) < credit:
+        for _ in range(DISPATCH_BATCH):
+            if not self._heap or len(self._unacked) >= credit:
+                return False
             _, _, op, index = heapq.heappop(self._heap)
             if op.failed:
                 continue
@@ -410,9 +427,11 @@ class Engine:
                 send_message(self.servers[server], header)
             else:
                 send_message(self.servers[server], header, (op.send[offset:offset + count],))
+        return bool(self._heap) and len(self._unacked) < credit
 
     # ------------------------------------------------------------------ replies
     def _on_server(self, index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        self._heard[index] = time.monotonic()
         op_name = msg["op"]
         req = int(msg.get("req") or 0)
         if op_name == "stats":
@@ -534,6 +553,11 @@ class Engine:
         for op in list(self._pending):
             if now > op.deadline:
                 servers = sorted({self._server_of(op, r) for r in op.reqs} - {-1})
+                # A server that keeps answering is busy (a backlog of partitions), not gone:
+                # wait while the servers this op waits on (any, if it is still queued) speak.
+                watched = servers or range(len(self.servers))
+                if any(now - self._heard.get(s, -math.inf) < self._op_timeout() for s in watched):
+                    continue
                 addrs = [self.book.servers[s] for s in servers]
                 waiting = f"servers {servers} ({', '.join(addrs)})" if servers else "its turn to be sent"
                 self._fail(op, CommTimeoutError(
