@@ -203,26 +203,34 @@ def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict
             seconds = median(entry["pass_seconds"])
             entry["samples_per_s"] = shape.workers * args.batch * args.steps / seconds
             entry["ms_per_step"] = seconds / args.steps * 1e3
+            # Other jobs on the VM make passes bimodal; the best pass shows the uncontended speed.
+            entry["best_samples_per_s"] = shape.workers * args.batch * args.steps / min(entry["pass_seconds"])
     finally:
         for group in groups:
             group.close()
     return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "systems": results}
 
 
+def _ratio(entry: dict[str, Any], ref: dict[str, Any], key: str) -> str:
+    """entry / reference for ``key``, as '1.23x', or 'n/a' without a reference."""
+    return f"{entry[key] / ref[key]:.2f}x" if key in ref else "n/a"
+
+
 def format_results(records: list[dict[str, Any]]) -> str:
     """One row per (configuration, system): samples/s, ms/step and the ratio to MXNet."""
     rows = []
     for rec in records:
-        ref = rec["systems"].get(REFERENCE, {}).get("samples_per_s")
+        ref = rec["systems"].get(REFERENCE, {})
         for system in SYSTEMS:
             entry = rec["systems"].get(system.name, {})
             if "samples_per_s" not in entry:
-                rows.append([rec["config"], system.name, "n/a", "n/a", "n/a"])
+                rows.append([rec["config"], system.name, *["n/a"] * 5])
                 continue
-            ratio = f"{entry['samples_per_s'] / ref:.2f}x" if ref else "n/a"
-            rows.append([rec["config"], system.name, f"{entry['samples_per_s']:.0f}",
-                         f"{entry['ms_per_step']:.1f}", ratio])
-    return format_table(["config", "system", "samples/s", "ms/step", "ratio vs mxnet"], rows)
+            rows.append([rec["config"], system.name, f"{entry['samples_per_s']:.0f}", f"{entry['ms_per_step']:.1f}",
+                         _ratio(entry, ref, "samples_per_s"), f"{entry['best_samples_per_s']:.0f}",
+                         _ratio(entry, ref, "best_samples_per_s")])
+    return format_table(["config", "system", "samples/s", "ms/step", "ratio vs mxnet", "best pass samples/s",
+                         "best ratio"], rows)
 
 
 def parse_args() -> argparse.Namespace:
