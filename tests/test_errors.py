@@ -77,7 +77,9 @@ def test_usage_errors(cluster):
         # none of the above reached the servers: the job goes on, and the names are fresh
         ok = bps.push_pull(x, "x", average=False)
         outcomes["still works"] = ok.tolist()
+        lonely = bps.push_pull_async(x, f"lonely{rank}")  # no other rank ever pushes it
         bps.shutdown()
+        expect_error("pending at shutdown", lambda: bps.synchronize(lonely))
         expect_error("after shutdown", lambda: bps.push_pull(x, "x"))
         report({"rank": rank, "outcomes": outcomes})
     '''))
@@ -101,6 +103,9 @@ def test_usage_errors(cluster):
                   f"rank {f.rank_hint}")
         assert out["still works"] == [0.0, 2.0, 4.0, 6.0]
         check(out["after shutdown"], "NotInitializedError", "push_pull")
+        # shut down locally, or failed first by the server because the other rank left
+        assert out["pending at shutdown"][0] in ("NotInitializedError", "PeerLostError"), out
+        assert out["pending at shutdown"][2] < 1, out
     job.wait_servers_exit()
 
 
@@ -337,3 +342,22 @@ def test_worker_count_disagreeing_with_the_scheduler(cluster):
     '''), count=1, env={"DMLC_NUM_WORKER": "3"}, timeout=30)
     assert_all_ok(done, job)
     check(done[0].result["init"], "ConfigError", "DMLC_NUM_WORKER=3 at the worker but 2 at the scheduler")
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_with_the_same_worker_id(cluster):
+    job = cluster(2, 1, {"BPS_GOSSIP_TIMEOUT": "3"})
+    done = job.run_workers(script('''
+        expect_error("init", bps.init)
+        report(outcomes)
+    '''), per_rank_env={1: {"DMLC_WORKER_ID": "0"}}, timeout=30)
+    assert_all_ok(done, job)
+    kinds = sorted(f.result["init"][0] for f in done)
+    assert kinds == ["CommTimeoutError", "ConfigError"], job.dump()
+    for f in done:
+        name, message, seconds = f.result["init"]
+        if name == "ConfigError":  # the second to register is refused at once
+            assert "DMLC_WORKER_ID" in message and "BYTEPS_LOCAL_RANK=0" in message, message
+            assert seconds < 2, f.result
+        else:  # the first waits for a rendezvous that cannot complete, then says so
+            assert f"127.0.0.1:{job.port}" in message and seconds < 4.5, f.result
