@@ -32,10 +32,10 @@ def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return x[:1500], y[:1500], x[1500:], y[1500:]
 
 
-def build_net() -> mx.gluon.nn.Sequential:
-    """A 64-64-10 MLP whose input size is inferred at the first forward (deferred init)."""
+def build_net(hidden: int = 64) -> mx.gluon.nn.Sequential:
+    """A 64-``hidden``-10 MLP whose input size is inferred at the first forward (deferred init)."""
     net = mx.gluon.nn.Sequential()
-    net.add(mx.gluon.nn.Dense(64, activation="relu"), mx.gluon.nn.Dense(10))
+    net.add(mx.gluon.nn.Dense(hidden, activation="relu"), mx.gluon.nn.Dense(10))
     return net
 
 
@@ -52,7 +52,7 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     x_train, y_train, x_test, y_test = load_data()
     x_shard, y_shard = x_train[rank::size], y_train[rank::size]
     mx.random.seed(args.seed + rank)  # different on every rank: the broadcast makes them agree
-    net = build_net()
+    net = build_net(getattr(args, "hidden", 64))  # getattr: callers may build args without --hidden
     net.initialize(mx.init.Xavier())
     options = {"graph": args.graph, "peers_per_itr": args.peers_per_itr, "overlap": args.overlap,
                "average_every": args.average_every} if mode == "gossip" else {}
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden units (wider: more bytes per step)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--graph", default="npdde", help="gossip topology")
     parser.add_argument("--peers-per-itr", type=int, default=1)
