@@ -7,8 +7,10 @@ importing mxnet_plugin teaches that function our name. Passing an instance
 (``kvstore=mx.kv.create('bpsgossip')``) works without that.
 
 Semantics are those of ``dist_sync``: pushpull sums over workers (pass the global
-batch size to ``trainer.step``), broadcast sends rank 0's value. Unlike MXNet's
-dist KVStore, ``pushpull(key, value, out=o)`` leaves ``value`` untouched.
+batch size to ``trainer.step``), broadcast sends rank 0's value, and ``Module(...,
+kvstore='bpsgossip')`` starts every rank from rank 0's weights and rescales gradients
+by the global batch size. Unlike MXNet's dist KVStore, ``pushpull(key, value, out=o)``
+leaves ``value`` untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import bps_gossip as core
 from .ops import broadcast_async, finish_push_pull, to_host
 
 NAME = "bpsgossip"
+TYPE = "dist_sync_" + NAME
 
 
 def _as_list(value: Any) -> list[mx.nd.NDArray]:
@@ -46,8 +49,14 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     @property
     def type(self) -> str:
-        """The registered name."""
-        return NAME
+        """'dist_sync_bpsgossip' (``mx.kv.create`` takes 'bpsgossip').
+
+        MXNet decides by substrings of the type: with 'dist' and '_sync' in it, Module
+        (and FeedForward) scale gradients by 1 / (batch size x workers), as for dist_sync;
+        with 'bpsgossip' alone they took 1 / batch size and stepped ``num_workers`` times
+        too far.
+        """
+        return TYPE
 
     @property
     def rank(self) -> int:
@@ -146,4 +155,32 @@ def _teach_create_kvstore() -> None:
             module._create_kvstore = create_kvstore
 
 
+def _teach_initialize_kvstore() -> None:
+    """Make Module's (and FeedForward's) ``_initialize_kvstore`` give every device root's values.
+
+    Without a server-side optimizer (update_on_kvstore=False) MXNet only calls
+    ``kvstore.init(name, arg_params[name])``, which leaves the devices' copies as they
+    were: dist_sync users get rank 0's weights through the server-side optimizer path,
+    so without this, ranks seeded differently would train different models forever.
+    """
+    original = mx.model._initialize_kvstore
+    if getattr(original, "_bps_gossip", False):
+        return
+
+    def initialize_kvstore(kvstore: Any, param_arrays: Any, arg_params: Any, param_names: Any,
+                           update_on_kvstore: bool) -> None:
+        if not isinstance(kvstore, BpsGossip):
+            return original(kvstore, param_arrays, arg_params, param_names, update_on_kvstore)
+        names = [param_names[index] for index in range(len(param_arrays))]
+        kvstore.broadcast(names, [arg_params[name] for name in names],
+                          out=[[arg_params[name], *copies] for name, copies in zip(names, param_arrays, strict=True)])
+        return None
+
+    initialize_kvstore._bps_gossip = True
+    for module in (mx.model, mx.module.module):
+        if getattr(module, "_initialize_kvstore", None) is original:
+            module._initialize_kvstore = initialize_kvstore
+
+
 _teach_create_kvstore()
+_teach_initialize_kvstore()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import mxnet as mx
@@ -28,10 +29,22 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def __setattr__(self, key: str, value: Any) -> None:
         setattr(self._optimizer, key, value)
 
+    # Optimizer.__getstate__/__setstate__ would act on our (nearly empty) __dict__ and fail
+    # (KeyError 'param_dict'): pickle the wrapped optimizer instead. Updater.get_states(
+    # dump_optimizer=True), which gluon's Trainer.save_states uses, pickles the optimizer.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_optimizer": self._optimizer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "_optimizer", state["_optimizer"])
+
     def _average(self, index: Any, grad: Any) -> None:
         indices = list(index) if isinstance(index, (tuple, list)) else [index]
         grads = list(grad) if isinstance(grad, (tuple, list)) else [grad]
-        pending = [(push_pull_async(g, f"gradient_{i}", average=True, priority=-int(i)), g)
+        # Module on several devices updates inside a local KVStore, which passes parameter
+        # names, not numbers, as indices: those keep the default priority.
+        pending = [(push_pull_async(g, f"gradient_{i}", average=True,
+                                    priority=-i if isinstance(i, numbers.Integral) else 0), g)
                    for i, g in zip(indices, grads, strict=True)]
         for started, g in pending:
             finish_push_pull(started, [g])
