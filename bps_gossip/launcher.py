@@ -1,0 +1,366 @@
+"""``bpslaunch``: start the processes of a job, BytePS style or all on this machine.
+
+BytePS mode (no ``-np``): the role comes from DMLC_ROLE. ``DMLC_ROLE=scheduler bpslaunch``
+and ``DMLC_ROLE=server bpslaunch`` run that role in this process (they exit by themselves
+once every worker has shut down); ``DMLC_ROLE=worker bpslaunch COMMAND...`` runs COMMAND
+BYTEPS_LOCAL_SIZE times, with BYTEPS_LOCAL_RANK = 0..L-1, and returns the first non-zero
+exit code.
+
+Local mode: ``bpslaunch -np N [--num-servers S] COMMAND...`` runs a scheduler, S servers
+and N workers on 127.0.0.1, prefixes each output line of a worker with ``[rank] ``, and
+stops everything as soon as one worker fails or bpslaunch gets SIGINT/SIGTERM/SIGHUP.
+
+Every child runs in its own session, so that stopping it also stops whatever it started:
+the launcher sends the signal to the child's process group, waits a grace period, then
+sends SIGKILL. The environment is checked with :func:`load_config` before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import IO
+
+from .config import load_config
+from .errors import ConfigError
+from .transport import shm
+
+GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
+SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
+_POLL_SECONDS = 0.05
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Local mode owns these: every process runs on this machine, in one job.
+_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT")
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: a child killed by signal N becomes 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclasses.dataclass
+class _Child:
+    label: str
+    role: str
+    proc: subprocess.Popen
+    pumps: list[threading.Thread]
+    code: int | None = None
+
+
+class Supervisor:
+    """The children of one bpslaunch: start them, forward their output, stop them all.
+
+    Use as a context manager: leaving it kills every process group still alive, even on
+    an exception, and restores the signal handlers it installed.
+    """
+
+    def __init__(self) -> None:
+        self.children: list[_Child] = []
+        self.signals: list[int] = []  # signals bpslaunch received, in order
+        self._out_lock = threading.Lock()
+        self._old_handlers: dict[int, object] = {}
+
+    def __enter__(self) -> Supervisor:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _STOP_SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)  # acted on by the waiting loop, never inside the handler
+
+    # -- starting -------------------------------------------------------------------
+    def start(self, argv: list[str], env: Mapping[str, str], role: str, label: str,
+              prefix: str | None) -> _Child:
+        """Start ``argv`` in a new session. With a ``prefix``, its stdout and stderr are piped
+        and forwarded line by line behind the prefix; without one, it shares ours."""
+        pipe = subprocess.PIPE if prefix is not None else None
+        stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
+        proc = subprocess.Popen(argv, env=dict(env), stdin=stdin, stdout=pipe, stderr=pipe,
+                                start_new_session=True)
+        pumps = []
+        if prefix is not None:
+            for pipe_in, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode()),
+                                          name=f"bpslaunch-{label}", daemon=True)
+                thread.start()
+                pumps.append(thread)
+        child = _Child(label, role, proc, pumps)
+        self.children.append(child)
+        return child
+
+    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes) -> None:
+        """Copy ``pipe`` to ``sink`` one line at a time, each behind ``prefix``."""
+        out = getattr(sink, "buffer", None)
+        with pipe:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with self._out_lock:
+                    if out is not None:
+                        out.write(prefix + line)
+                    else:  # a text-only stream (e.g. replaced by a test harness)
+                        sink.write((prefix + line).decode(errors="replace"))
+                    sink.flush()
+
+    def note(self, message: str) -> None:
+        """Print one line of bpslaunch's own on stderr."""
+        with self._out_lock:
+            print(f"bpslaunch: {message}", file=sys.stderr, flush=True)
+
+    # -- waiting --------------------------------------------------------------------
+    def _reap(self) -> list[_Child]:
+        """Record the exit codes of children that ended since the last call; return them."""
+        ended = []
+        for child in self.children:
+            if child.code is None and child.proc.poll() is not None:
+                child.code = exit_code(child.proc.returncode)
+                ended.append(child)
+        return ended
+
+    def wait(self, fail_fast: bool) -> int:
+        """Wait for every worker; return the first non-zero exit code (in time), else 0.
+
+        With ``fail_fast``, a worker that fails, or a scheduler or server that fails before
+        the workers are done, stops the whole job at once. A stop signal always does.
+        """
+        first_error = 0
+        while True:
+            if self.signals:
+                sig = self.signals[0]
+                self.note(f"got {signal.Signals(sig).name}; stopping every process")
+                self.stop(sig)
+                return 128 + sig
+            for child in self._reap():
+                if child.code != 0 and first_error == 0:
+                    if fail_fast or child.role == "worker":
+                        first_error = child.code
+                    if fail_fast:
+                        self.note(f"{child.label} (pid {child.proc.pid}) exited with code {child.code}; "
+                                  "stopping every process")
+                        self.stop(signal.SIGTERM)
+                        return first_error
+            if all(c.code is not None for c in self.children if c.role == "worker"):
+                break
+            time.sleep(_POLL_SECONDS)
+        self._wait_services()
+        if self.signals:
+            self.stop(self.signals[0])
+            return 128 + self.signals[0]
+        return first_error
+
+    def _wait_services(self) -> None:
+        """Give the scheduler and servers a bounded time to exit by themselves."""
+        deadline = time.monotonic() + SERVICE_EXIT_SECONDS
+        while any(c.code is None for c in self.children) and time.monotonic() < deadline and not self.signals:
+            time.sleep(_POLL_SECONDS)
+            self._reap()
+        late = [c.label for c in self.children if c.code is None]
+        if late:
+            self.note(f"{', '.join(late)} did not exit within {SERVICE_EXIT_SECONDS:.0f} s "
+                      "after the workers; stopping them")
+            self.stop(signal.SIGTERM)
+        for child in self.children:
+            if child.role != "worker" and child.code not in (0, None):
+                self.note(f"{child.label} exited with code {child.code} after the workers finished")
+
+    # -- stopping -------------------------------------------------------------------
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> bool:
+        """Send ``sig`` to a process group; False when the group is gone."""
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a zombie leader on some systems; treat as alive
+            return True
+        return True
+
+    def stop(self, sig: int) -> None:
+        """Send ``sig`` to every live child's group; SIGKILL what is left after the grace period
+        (at once if bpslaunch gets another stop signal meanwhile)."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for child in alive:
+            self._signal_group(child.proc.pid, sig)
+        seen = len(self.signals)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while (any(c.proc.poll() is None for c in alive) and time.monotonic() < deadline
+               and len(self.signals) <= seen):
+            time.sleep(_POLL_SECONDS)
+        for child in alive:
+            if child.proc.poll() is None:
+                self._signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+        self._reap()
+
+    def close(self) -> None:
+        """Kill every group still alive (also what finished children left behind), wait for
+        the output to drain, and restore the signal handlers."""
+        try:
+            groups = [c.proc.pid for c in self.children]
+            for child in self.children:
+                if child.proc.poll() is None:
+                    self._signal_group(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+            stragglers = [g for g in groups if self._signal_group(g, signal.SIGTERM)]
+            deadline = time.monotonic() + 1.0
+            while stragglers and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+                stragglers = [g for g in stragglers if self._signal_group(g, 0)]
+            for group in stragglers:
+                self._signal_group(group, signal.SIGKILL)
+            for child in self.children:
+                for pump in child.pumps:
+                    pump.join(timeout=2.0)
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+# -- the two modes -----------------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _check_command(command: list[str], env: Mapping[str, str]) -> None:
+    if not command:
+        raise ConfigError("no command given for the workers (e.g. bpslaunch python train.py)")
+    if shutil.which(command[0], path=env.get("PATH")) is None:
+        raise ConfigError(f"command not found or not executable: {command[0]!r}")
+
+
+def run_local(num_proc: int, num_servers: int, command: list[str],
+              base_env: Mapping[str, str] | None = None) -> int:
+    """Local mode: a scheduler, ``num_servers`` servers and ``num_proc`` workers on 127.0.0.1.
+
+    With one worker and BYTEPS_FORCE_DISTRIBUTED unset, the worker runs alone. Returns the
+    first non-zero exit code (or 128 + signal when bpslaunch was stopped), else 0.
+    """
+    if num_proc < 1:
+        raise ConfigError(f"-np {num_proc}: the number of workers must be >= 1")
+    if num_servers < 1:
+        raise ConfigError(f"--num-servers {num_servers}: the number of servers must be >= 1")
+    base = {k: v for k, v in (os.environ if base_env is None else base_env).items()
+            if k not in _LOCAL_OVERRIDES}
+    _check_command(command, base)
+    port = free_port()
+    base.update({
+        "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": str(num_servers), "BYTEPS_LOCAL_SIZE": str(num_proc),
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port), "DMLC_NODE_HOST": "127.0.0.1",
+    })
+    base.setdefault("PYTHONUNBUFFERED", "1")  # piped Python output would otherwise come in blocks
+    workers = [{**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_RANK": str(rank)}
+               for rank in range(num_proc)]
+    distributed = any(load_config(env).distributed for env in workers)  # validates every worker
+    services: list[tuple[str, str]] = []
+    if distributed:
+        services = [("scheduler", "scheduler")] + [("server", f"server{i}") for i in range(num_servers)]
+    for role, _ in services:
+        load_config({**base, "DMLC_ROLE": role})
+    try:
+        with Supervisor() as sup:
+            for role, label in services:
+                sup.start([sys.executable, "-m", f"bps_gossip.{role}"], {**base, "DMLC_ROLE": role},
+                          role, label, f"[{label}] ")
+            for rank, env in enumerate(workers):
+                sup.start(command, env, "worker", f"worker {rank}", f"[{rank}] ")
+            return sup.wait(fail_fast=True)
+    finally:
+        shm.sweep(str(port))  # segments of killed workers (their resource trackers died too)
+
+
+def run_byteps(command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """BytePS mode: run the role named by DMLC_ROLE (see the module docstring)."""
+    env = dict(os.environ if env is None else env)
+    config = load_config(env)
+    if config.role != "worker":
+        if command:
+            print(f"bpslaunch: DMLC_ROLE={config.role} runs the {config.role}; ignoring the command "
+                  f"{' '.join(command)!r}", file=sys.stderr, flush=True)
+        return int(importlib.import_module(f"bps_gossip.{config.role}").main())
+    _check_command(command, env)
+    size = config.local_size
+    envs = [{**env, "BYTEPS_LOCAL_RANK": str(rank), "BYTEPS_LOCAL_SIZE": str(size)} for rank in range(size)]
+    if size > 1:
+        for child_env in envs:
+            load_config(child_env)
+            child_env.setdefault("PYTHONUNBUFFERED", "1")
+    with Supervisor() as sup:
+        for rank, child_env in enumerate(envs):
+            sup.start(command, child_env, "worker", f"local rank {rank}", f"[{rank}] " if size > 1 else None)
+        # No fail-fast: surviving workers see the loss themselves (and elastic jobs go on).
+        return sup.wait(fail_fast=False)
+
+
+# -- command line ------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of bpslaunch."""
+    parser = argparse.ArgumentParser(
+        prog="bpslaunch",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Launch a bps_gossip job: BytePS style from the DMLC_* environment, or all "
+                    "on this machine with -np.",
+        epilog="""examples:
+  bpslaunch -np 4 python train.py --epochs 3    scheduler, 1 server, 4 workers here
+  bpslaunch -np 4 --num-servers 2 -- python train.py
+  DMLC_ROLE=scheduler bpslaunch                  BytePS mode, one role per command
+  DMLC_ROLE=server bpslaunch
+  DMLC_ROLE=worker DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=2 bpslaunch python train.py
+
+BytePS mode reads DMLC_ROLE (worker, server or scheduler), DMLC_NUM_WORKER (worker
+machines), BYTEPS_LOCAL_SIZE (worker processes per machine), DMLC_WORKER_ID (this
+machine's index), DMLC_NUM_SERVER, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT (the
+scheduler's address). A bad or missing variable is an error (exit status 2).
+
+Exit status: the first non-zero exit code of a worker (128+N for signal N), 0 when
+every worker succeeded, 2 for a bad environment or command line.""",
+    )
+    parser.add_argument("-np", "--num-proc", type=int, metavar="N",
+                        help="local mode: run N worker processes on this machine, plus a scheduler "
+                             "and servers (none when N is 1, unless BYTEPS_FORCE_DISTRIBUTED=1)")
+    parser.add_argument("--num-servers", type=int, metavar="S",
+                        help="local mode: the number of servers (default 1)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND...",
+                        help="the worker command and its arguments (options after it are its own); "
+                             "'--' may separate it from bpslaunch's options")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``bpslaunch`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        if args.num_proc is None:
+            if args.num_servers is not None:
+                raise ConfigError("--num-servers needs -np; in BytePS mode set DMLC_NUM_SERVER")
+            return run_byteps(command)
+        return run_local(args.num_proc, 1 if args.num_servers is None else args.num_servers, command)
+    except ConfigError as exc:
+        print(f"bpslaunch: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the command exists but cannot be executed
+        print(f"bpslaunch: cannot start: {exc}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""bpslaunch with real processes on 127.0.0.1: local mode, BytePS mode, failures, signals.
+
+Every process a test starts carries a unique BPSL_TEST_TAG in its environment (children
+inherit it), so the test can find in /proc whatever the launcher left behind, assert
+that nothing is, and kill it all at teardown even when the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from cluster import FAST_ENV, free_port
+
+from bps_gossip import launcher
+
+LAUNCH = [sys.executable, "-m", "bps_gossip.launcher"]
+
+SUM_SCRIPT = """
+import os, numpy as np, bps_gossip as bps
+bps.init()
+print("OUT", bps.rank(), bps.size(), bps.push_pull(np.ones(3), "x", average=False).tolist(), os.getpid())
+bps.shutdown()
+"""
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries ``BPSL_TEST_TAG=tag``."""
+    needle = f"BPSL_TEST_TAG={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            pass
+    return pids
+
+
+class Job:
+    """Starts bpslaunch processes for one test; output goes to files in tmp_path."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.tag = uuid.uuid4().hex
+        self.env = {**os.environ, **FAST_ENV, "BPSL_TEST_TAG": self.tag, "PYTHONUNBUFFERED": "1"}
+        for name in list(self.env):
+            if name.startswith(("DMLC_", "BYTEPS_LOCAL")):
+                del self.env[name]
+        self.procs: list[subprocess.Popen] = []
+
+    def script(self, body: str) -> str:
+        path = self.tmp_path / f"script{len(self.procs)}_{uuid.uuid4().hex[:6]}.py"
+        path.write_text(textwrap.dedent(body))
+        return str(path)
+
+    def start(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        name = f"launch{len(self.procs)}"
+        out = open(self.tmp_path / f"{name}.out", "w+")
+        err = open(self.tmp_path / f"{name}.err", "w+")
+        proc = subprocess.Popen(LAUNCH + args, env={**self.env, **(env or {})}, stdout=out, stderr=err,
+                                start_new_session=True)
+        proc.files = (out, err)  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def output(proc: subprocess.Popen) -> tuple[str, str]:
+        texts = []
+        for handle in proc.files:  # type: ignore[attr-defined]
+            handle.flush()
+            handle.seek(0)
+            texts.append(handle.read())
+        return texts[0], texts[1]
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str, str]:
+        """Wait for ``proc``; return its exit code, stdout and stderr."""
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"bpslaunch {proc.args} did not finish: {self.output(proc)}") from None
+        return (proc.returncode, *self.output(proc))
+
+    def assert_nothing_left(self, within: float = 3.0) -> None:
+        deadline = time.monotonic() + within
+        while (left := tagged_pids(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"processes left behind: {[_cmdline(pid) for pid in left]}"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(5)
+            for handle in proc.files:  # type: ignore[attr-defined]
+                handle.close()
+        for pid in tagged_pids(self.tag):  # whatever escaped the launcher's process groups
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return f"{pid}: gone"
+
+
+@pytest.fixture
+def job(tmp_path):
+    made = Job(tmp_path)
+    yield made
+    made.close()
+
+
+def parse_sums(stdout: str) -> dict[int, tuple[int, int, list[float], int]]:
+    """{prefix rank: (rank, size, sum, pid)} from the OUT lines of SUM_SCRIPT."""
+    found = {}
+    for match in re.finditer(r"^\[(\d+)\] OUT (\d+) (\d+) (\[.*\]) (\d+)$", stdout, re.M):
+        found[int(match[1])] = (int(match[2]), int(match[3]), json.loads(match[4]), int(match[5]))
+    return found
+
+
+def assert_pids_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
+def test_local_mode_end_to_end(job, workers, servers):
+    args = ["-np", str(workers)] + (["--num-servers", str(servers)] if servers != 1 else [])
+    code, out, err = job.finish(job.start(args + [sys.executable, job.script(SUM_SCRIPT)]))
+    assert code == 0, out + err
+    found = parse_sums(out)
+    assert sorted(found) == list(range(workers)), out + err
+    for prefix, (rank, size, total, _) in found.items():
+        assert (rank, size, total) == (prefix, workers, [float(workers)] * 3)
+    assert "Traceback" not in err
+    assert_pids_gone([pid for *_, pid in found.values()])
+    job.assert_nothing_left()  # the scheduler and servers too
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("separator", [[], ["--"]])
+def test_single_worker_runs_alone_and_keeps_its_flags(job, separator):
+    body = SUM_SCRIPT + "import sys; print('ARGV', sys.argv[1:])\n"
+    code, out, err = job.finish(job.start(["-np", "1", *separator, sys.executable, job.script(body),
+                                           "--flag", "-np", "7", "--", "x"]))
+    assert code == 0, out + err
+    assert parse_sums(out)[0][:3] == (0, 1, [1.0, 1.0, 1.0])
+    assert "[0] ARGV ['--flag', '-np', '7', '--', 'x']" in out
+    assert "scheduler" not in out + err  # no scheduler, no server
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(30)
+def test_failing_worker_stops_the_job(job):
+    body = """
+    import os, sys, time, bps_gossip as bps
+    bps.init()
+    print("PID", os.getpid(), flush=True)
+    if bps.rank() == 1:
+        time.sleep(0.5)
+        sys.exit(3)
+    time.sleep(1000)
+    """
+    start = time.monotonic()
+    code, out, err = job.finish(job.start(["-np", "2", sys.executable, job.script(body)]))
+    assert code == 3, out + err
+    assert time.monotonic() - start < 15
+    assert "worker 1" in err and "code 3" in err
+    assert_pids_gone([int(pid) for pid in re.findall(r"^\[\d\] PID (\d+)$", out, re.M)])
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything(job, sig):
+    # Rank 0 ignores SIGINT and SIGTERM on the SIGTERM run: the launcher must escalate to SIGKILL.
+    body = f"""
+    import os, signal, time, bps_gossip as bps
+    bps.init()
+    if bps.rank() == 0 and {int(sig)} == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print("READY", os.getpid(), flush=True)
+    time.sleep(1000)
+    """
+    proc = job.start(["-np", "2", sys.executable, job.script(body)])
+    deadline = time.monotonic() + 20
+    while job.output(proc)[0].count("READY") < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, job.output(proc)
+        time.sleep(0.1)
+    os.kill(proc.pid, sig)
+    code, out, err = job.finish(proc, timeout=15)
+    assert code == 128 + sig, out + err
+    assert_pids_gone([int(pid) for pid in re.findall(r"READY (\d+)", out)])
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_byteps_mode_end_to_end(job):
+    port = free_port()
+    env = {"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": str(port)}
+    scheduler = job.start([], {**env, "DMLC_ROLE": "scheduler"})
+    server = job.start([], {**env, "DMLC_ROLE": "server"})
+    worker = job.start([sys.executable, job.script(SUM_SCRIPT)],
+                       {**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "2"})
+    code, out, err = job.finish(worker)
+    assert code == 0, out + err
+    found = parse_sums(out)
+    assert {prefix: value[:3] for prefix, value in found.items()} == {
+        0: (0, 2, [2.0] * 3), 1: (1, 2, [2.0] * 3)}, out + err
+    for proc in (scheduler, server):  # they exit by themselves once the workers are gone
+        code, out, err = job.finish(proc, timeout=10)
+        assert code == 0, out + err
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("env,args,variable", [
+    ({"DMLC_ROLE": "bogus"}, [], "DMLC_ROLE"),
+    ({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "abc"}, ["python", "x.py"], "DMLC_NUM_WORKER"),
+    ({"DMLC_ROLE": "server", "DMLC_NUM_WORKER": "2"}, [], "DMLC_PS_ROOT_PORT"),
+    ({"DMLC_ROLE": "worker", "BYTEPS_LOCAL_SIZE": "0"}, ["python", "x.py"], "BYTEPS_LOCAL_SIZE"),
+    ({"DMLC_ROLE": "worker"}, [], "no command"),
+    ({}, ["--num-servers", "2", "python", "x.py"], "-np"),
+    ({"BPS_GOSSIP_TIMEOUT": "soon"}, ["-np", "2", "python", "x.py"], "BPS_GOSSIP_TIMEOUT"),
+    ({}, ["-np", "2", "no-such-command-here"], "no-such-command-here"),
+])
+def test_bad_environment_is_a_clear_error(job, env, args, variable):
+    start = time.monotonic()
+    code, out, err = job.finish(job.start(args, env), timeout=15)
+    assert code != 0
+    assert variable in err, err
+    assert time.monotonic() - start < 10
+    job.assert_nothing_left()
+
+
+def test_help_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("-np", "--num-servers", "DMLC_ROLE", "BYTEPS_LOCAL_SIZE", "Exit status"):
+        assert word in text
+    assert launcher.exit_code(-signal.SIGKILL) == 137 and launcher.exit_code(3) == 3
