@@ -139,6 +139,7 @@ def test_dead_peer_fails_the_round_with_its_rank(cluster):
         bps.init()
         avg = GossipAverager({"w": np.ones(4)}, graph="ring")
         avg.step()
+        bps.barrier()  # every round-0 message has arrived before rank 1 dies
         if bps.rank() == 1:
             os.kill(os.getpid(), 9)
         start = time.time()
