@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
 import math
 import os
 import queue
@@ -494,7 +495,8 @@ class Engine:
         elif op in ("node_lost", "node_left"):
             how = "was lost" if op == "node_lost" else "left the job"
             why = f"{msg.get('role')} rank {msg.get('rank')} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
-            self.log.warning(why)
+            # A graceful leave is normal at the end of a job; only a loss deserves a warning.
+            self.log.log(logging.WARNING if op == "node_lost" else logging.INFO, why)
             if msg.get("role") == "worker":
                 self.channel.on_worker_gone(int(msg["rank"]), "lost" if op == "node_lost" else "left", why)
             if msg.get("role") == "server":
