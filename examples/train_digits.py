@@ -10,6 +10,7 @@ trains on its own shard of the training set, and prints its loss and accuracy pe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -49,6 +50,7 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     """Train one model in ``mode``; return final accuracy and, with ``log_every``, a per-step history
     of test accuracy and consensus distance (a collective: every rank records it)."""
     rank, size = bps.rank(), bps.size()
+    started = time.time()  # wall clock: ranks on one machine (or its namespaces) share it
     x_train, y_train, x_test, y_test = load_data()
     x_shard, y_shard = x_train[rank::size], y_train[rank::size]
     mx.random.seed(args.seed + rank)  # different on every rank: the broadcast makes them agree
@@ -85,14 +87,26 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
                                 "seconds": time.time() - start})
         bar.update(1)
         trainer.flush()
+        epoch_accuracy = accuracy(net, x_test, y_test)
         print(f"rank {rank} {mode} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
-              f"test accuracy {accuracy(net, x_test, y_test):.4f}", flush=True)
+              f"test accuracy {epoch_accuracy:.4f}", flush=True)
+        if getattr(args, "log_json", None):
+            log_epoch(args.log_json, {"rank": rank, "size": size, "mode": mode, "epoch": epoch + 1,
+                                      "steps": step_count, "started": started, "time": time.time(),
+                                      "loss": total_loss / steps_per_epoch, "accuracy": epoch_accuracy})
     bar.close()
     trainer.flush()
     distance = trainer.consensus_distance()
     final = accuracy(net, x_test, y_test)
     return {"mode": mode, "accuracy": final, "consensus_distance": distance, "steps": step_count,
             "seconds": time.time() - start, "history": history}
+
+
+def log_epoch(pattern: str, record: dict[str, Any]) -> None:
+    """Append ``record`` as one JSON line to ``pattern`` with ``{rank}`` filled in (one file per rank:
+    no two processes append to the same file)."""
+    with open(pattern.format(rank=record["rank"]), "a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers-per-itr", type=int, default=1)
     parser.add_argument("--overlap", action="store_true", help="gossip while the next step computes")
     parser.add_argument("--average-every", type=int, default=0, help="exact average every K steps (0: never)")
+    parser.add_argument("--log-json", metavar="PATH",
+                        help="append one JSON line per epoch (wall-clock time, accuracy) to PATH, in which "
+                             "{rank} is replaced by the rank (scripts/netns_cluster.py reads these)")
     return parser
 
 
