@@ -11,6 +11,12 @@ batch size to ``trainer.step``), broadcast sends rank 0's value, and ``Module(..
 kvstore='bpsgossip')`` starts every rank from rank 0's weights and rescales gradients
 by the global batch size. Unlike MXNet's dist KVStore, ``pushpull(key, value, out=o)``
 leaves ``value`` untouched.
+
+``pushpull`` returns at once and sums inside MXNet's engine (``mxnet_plugin.overlap``):
+gluon.Trainer asks for the first layer first, whose gradient backward writes last, and
+the other gradients' push_pulls still start as soon as each exists. Readers of ``out``
+wait as for any MXNet operation. ``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or setting
+``overlap_backward = False`` on the store) makes it wait and copy through host buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 import bps_gossip as core
 
 from .ops import broadcast_async, finish_push_pull, to_host
+from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 
 NAME = "bpsgossip"
 TYPE = "dist_sync_" + NAME
@@ -46,6 +53,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
     def __init__(self) -> None:
         core.init()
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
+        self.overlap_backward = enabled_by_default()
 
     @property
     def type(self) -> str:
@@ -85,6 +93,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
         """Write rank 0's ``value`` into ``out`` on every rank."""
+        raise_pending_error()
         outs = self._keys_values(key, out)
         values = dict(self._keys_values(key, value))
         pending = [(broadcast_async(values[k][0], self._name(k), 0, priority), targets) for k, targets in outs]
@@ -100,6 +109,12 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         (into ``value`` when ``out`` is None)."""
         targets = self._keys_values(key, value if out is None else out)
         values = dict(self._keys_values(key, value))
+        if self.overlap_backward:
+            for k, dests in targets:
+                push_pull_in_engine(values[k], self._name(k), average=False, priority=priority,
+                                    outs=None if out is None else dests)
+            return
+        raise_pending_error()
         pending = []
         for k, dests in targets:
             host = _local_sum(values[k])
@@ -110,6 +125,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Start summing ``value`` over workers; :meth:`pull` collects the result."""
+        raise_pending_error()
         for k, values in self._keys_values(key, value):
             if k in self._pending:
                 raise ValueError(f"{self.type}: key {k!r} was pushed twice without a pull")

@@ -13,6 +13,7 @@ import bps_gossip as core
 
 from .gossip_mode import ParameterGossip
 from .ops import finish_push_pull, push_pull_async, to_host
+from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 from .parameters import (
     broadcast_initialized,
     broadcast_when_initialized,
@@ -58,13 +59,17 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     ``mode='allreduce'``: every step sums the gradients over workers (priority
     ``-index``, so the first layers come back first) and divides by the number of
-    workers through the optimizer's rescale factor, as in BytePS.
+    workers through the optimizer's rescale factor, as in BytePS. With
+    ``overlap_backward`` (default: ``BPS_GOSSIP_OVERLAP_BACKWARD``, on) each gradient's
+    push_pull runs inside MXNet's engine as soon as backward has written it and
+    ``step()`` returns at once (see ``mxnet_plugin.overlap``); without it, ``step()``
+    waits for each gradient in turn, last layer first, and copies it through host buffers.
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,
                  compression_params: dict | None = None, mode: str = "gossip", graph: str = "npdde",
                  peers_per_itr: int = 1, push_sum: bool = True, overlap: bool = False, synch_freq: int = 0,
-                 average_every: int = 0) -> None:
+                 average_every: int = 0, overlap_backward: bool | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {MODES}")
         if compression_params:
@@ -83,6 +88,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         index_of = {id(param): index for index, param in enumerate(self._params)}
         self._ready_order = [(index_of[id(p)], p) for p in reversed(given)]
         self.average_every = average_every
+        self.overlap_backward = enabled_by_default() if overlap_backward is None else bool(overlap_backward)
         self.num_steps = 0
         self._gossip: ParameterGossip | None = None
         if mode == "allreduce":
@@ -138,6 +144,13 @@ class DistributedTrainer(mx.gluon.Trainer):
     def _allreduce_grads(self) -> None:
         if self._gossip is not None:
             return  # gossip mode: gradients stay local; the models are mixed after the update
+        if self.overlap_backward:
+            for index, param in self._ready_order:
+                if param.grad_req != "null":
+                    push_pull_in_engine(param.list_grad(), f"gradient_{param.name}", average=False,
+                                        priority=-index)
+            return
+        raise_pending_error()
         pending = []
         for index, param in self._ready_order:
             if param.grad_req == "null":
