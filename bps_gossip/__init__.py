@@ -7,8 +7,11 @@ from .api import (
     barrier,
     broadcast,
     broadcast_async,
+    commit_check,
     declare,
+    generation,
     init,
+    is_elastic,
     is_initialized,
     local_rank,
     local_size,
@@ -16,6 +19,7 @@ from .api import (
     push_pull,
     push_pull_async,
     rank,
+    reset,
     server_stats,
     shutdown,
     size,
@@ -26,18 +30,22 @@ from .errors import (
     BpsGossipError,
     CommTimeoutError,
     ConfigError,
+    HostsUpdatedInterrupt,
+    JobFailedError,
     NotInitializedError,
     PeerLostError,
     ProtocolError,
     TensorMismatchError,
+    WorkersChangedError,
 )
 from .worker.handle import Handle
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "NotInitializedError",
-    "PeerLostError", "ProtocolError", "TensorMismatchError", "barrier", "broadcast", "broadcast_async",
-    "declare", "init", "is_initialized", "load_config", "local_rank", "local_size", "poll", "push_pull",
-    "push_pull_async", "rank", "server_stats", "shutdown", "size", "synchronize",
+    "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "HostsUpdatedInterrupt",
+    "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "TensorMismatchError",
+    "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check", "declare", "generation",
+    "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size", "poll", "push_pull",
+    "push_pull_async", "rank", "reset", "server_stats", "shutdown", "size", "synchronize",
 ]

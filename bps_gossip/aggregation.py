@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-RoundId = tuple[int, int, int]  # (key, partition, round number)
+RoundId = tuple[int, int, int, int]  # (generation, key, partition, round number)
 SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
 
 

@@ -259,6 +259,48 @@ def server_stats() -> list[dict[str, Any]]:
     return synchronize(handle)
 
 
+def generation() -> int:
+    """The membership generation this worker is in (1 at the start; elastic jobs count up)."""
+    return _rt("generation()").generation
+
+
+def is_elastic() -> bool:
+    """True when this job changes membership instead of failing (BPS_GOSSIP_ELASTIC=1)."""
+    return _rt("is_elastic()").config.elastic
+
+
+def reset() -> bool:
+    """Elastic: join the job's next generation after a WorkersChangedError.
+
+    Blocks until every surviving (and joining) worker has done the same, then updates
+    rank(), size() and generation(). Returns True when the job must roll back to its
+    last commit (a worker or server crashed), the same answer on every rank. Raises
+    JobFailedError when the job cannot go on.
+    """
+    runtime = _rt("reset()")
+    if not runtime.config.elastic or runtime.engine is None:
+        raise ConfigError("reset(): this job is not elastic (set BPS_GOSSIP_ELASTIC=1, or bpslaunch --min-np)")
+    handle = Handle("reset()")
+    runtime.engine.submit("rejoin", handle)
+    book = handle.wait(runtime.config.elastic_timeout + runtime.config.timeout + 10)
+    runtime.rank, runtime.size, runtime.generation = book.rank, book.size, book.generation
+    runtime.local_rank, runtime.local_size = book.local_rank, book.local_size
+    return book.restore
+
+
+def commit_check() -> bool:
+    """Elastic: True when workers wait to join, the same answer on every rank (a barrier).
+
+    Called by ``State.commit()``; a True answer means the caller must reset (no rollback).
+    """
+    runtime = _rt("commit_check()")
+    if runtime.engine is None:
+        return False
+    handle = Handle("commit_check()")
+    runtime.engine.submit("commit", handle)
+    return synchronize(handle)
+
+
 def wait_timeout() -> float:
     """The backstop for waits on handles: the engine itself fails them after BPS_GOSSIP_TIMEOUT."""
     runtime = _runtime

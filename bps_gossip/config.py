@@ -49,6 +49,10 @@ class Config:
     heartbeat_timeout: float = 10.0
     port: int = 0
     shm: bool = True
+    elastic: bool = False
+    min_workers: int = 1
+    max_workers: int = 0  # 0: no limit
+    elastic_timeout: float = 60.0
 
     @property
     def scheduler_address(self) -> str:
@@ -63,7 +67,7 @@ class Config:
     @property
     def distributed(self) -> bool:
         """True when this worker must talk to servers (more than one worker, or forced)."""
-        return self.force_distributed or self.num_worker * self.local_size > 1
+        return self.force_distributed or self.elastic or self.num_worker * self.local_size > 1
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -186,6 +190,14 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     port = _int(env, "BPS_GOSSIP_PORT", 0, minimum=0)
     if port > 65535:
         raise ConfigError(f"BPS_GOSSIP_PORT={port} is not a TCP port (0-65535)")
+    elastic = _bool(env, "BPS_GOSSIP_ELASTIC", False)
+    min_workers = _int(env, "BPS_GOSSIP_MIN_WORKERS", 1, minimum=1)
+    max_workers = _int(env, "BPS_GOSSIP_MAX_WORKERS", 0, minimum=0)
+    if max_workers and max_workers < min_workers:
+        raise ConfigError(f"BPS_GOSSIP_MAX_WORKERS={max_workers} is below BPS_GOSSIP_MIN_WORKERS={min_workers}")
+    if elastic and max_workers and num_worker * local_size > max_workers:
+        raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {num_worker * local_size} initial workers "
+                          f"exceed BPS_GOSSIP_MAX_WORKERS={max_workers}")
     config = Config(
         role=role,
         num_worker=num_worker,
@@ -207,6 +219,10 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         heartbeat_timeout=heartbeat_timeout,
         port=port,
         shm=_bool(env, "BPS_GOSSIP_SHM", True),
+        elastic=elastic,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
     )
     if role != "worker" or config.distributed:
         if root_port is None:

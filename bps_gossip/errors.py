@@ -34,3 +34,27 @@ class PeerLostError(BpsGossipError):
 
 class ProtocolError(BpsGossipError):
     """A malformed or unexpected message (also: a key collision between two names)."""
+
+
+class WorkersChangedError(PeerLostError):
+    """An elastic job's membership changed under a pending operation (recoverable).
+
+    ``restore`` says whether the job must roll back to its last commit (a worker or
+    server crashed: its part of the current step is lost) or may go on from where it
+    is (workers joined, or one left gracefully). The same value reaches every rank.
+    """
+
+    def __init__(self, message: str, restore: bool = True) -> None:
+        super().__init__(message)
+        self.restore = restore
+
+
+class HostsUpdatedInterrupt(WorkersChangedError):
+    """Raised at a commit when workers joined or asked to leave: reset without rollback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, restore=False)
+
+
+class JobFailedError(PeerLostError):
+    """An elastic job cannot go on (fewer workers than BPS_GOSSIP_MIN_WORKERS for too long)."""

@@ -31,7 +31,8 @@ class Node:
     peer_addr: str = ""
     rank: int = -1
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
-    state: str = "alive"  # alive | left | lost
+    state: str = "alive"  # alive | joining (elastic, not admitted yet) | left | lost
+    seniority: tuple[int, int] = (0, 0)  # (generation admitted, rank or arrival then): lower is older
 
     def describe(self) -> str:
         """A short human label, e.g. 'worker rank 2 (pid 123 on 127.0.0.1)'."""
@@ -41,16 +42,33 @@ class Node:
 class Membership:
     """The job's nodes and the address book handed out at every generation."""
 
-    def __init__(self, num_worker_groups: int, num_server: int) -> None:
+    def __init__(self, num_worker_groups: int, num_server: int, elastic: bool = False,
+                 max_workers: int = 0) -> None:
         self.num_worker_groups = num_worker_groups
         self.num_server = num_server
+        self.elastic = elastic
+        self.max_workers = max_workers
         self.nodes: dict[bytes, Node] = {}
         self.generation = 0
         self.started = False
+        self._arrivals = 0
 
     # -- registration -------------------------------------------------------------
     def add(self, node: Node) -> None:
-        """Add a registering node; raise ConfigError when it cannot fit this job."""
+        """Add a registering node; raise ConfigError when it cannot fit this job.
+
+        In an elastic job a worker that registers after the start waits as 'joining'
+        until the next membership change admits it.
+        """
+        self._arrivals += 1
+        if self.started and self.elastic and node.role == "worker":
+            count = len(self.workers("alive")) + len(self.workers("joining"))
+            if self.max_workers and count >= self.max_workers:
+                raise ConfigError(f"the job already has {count} workers, BPS_GOSSIP_MAX_WORKERS={self.max_workers}")
+            node.state = "joining"
+            node.seniority = (self.generation + 1, self._arrivals)
+            self.nodes[node.uid] = node
+            return
         if self.started:
             raise ConfigError(
                 f"the job already started with {len(self.workers())} workers and "
@@ -108,11 +126,35 @@ class Membership:
             offset += len(groups[key])
         for index, server in enumerate(sorted(self.servers(), key=lambda s: s.addr)):
             server.rank = index
+        for worker in self.workers():
+            worker.seniority = (0, worker.rank)
         now = time.monotonic()
         for node in self.nodes.values():
             node.last_seen = now  # rendezvous may have taken longer than a heartbeat timeout
         self.started = True
         self.generation += 1
+
+    def next_generation(self) -> int:
+        """Open a new generation (elastic: a change began); ranks follow in :meth:`reassign`."""
+        self.generation += 1
+        return self.generation
+
+    def reassign(self) -> list[Node]:
+        """Admit the joining workers and renumber: the oldest surviving worker becomes rank 0.
+
+        Returns the admitted workers.
+        """
+        joined = self.workers("joining")
+        for worker in joined:
+            worker.state = "alive"
+            worker.last_seen = time.monotonic()
+        alive = sorted((n for n in self.nodes.values() if n.role == "worker" and n.state == "alive"),
+                       key=lambda n: n.seniority)
+        for rank, worker in enumerate(alive):
+            worker.rank = rank
+        for index, server in enumerate(self.servers("alive")):
+            server.rank = index
+        return joined
 
     # -- views --------------------------------------------------------------------
     def workers(self, state: str | None = None) -> list[Node]:
@@ -129,7 +171,7 @@ class Membership:
         """The address book every node receives: generation, servers and workers by rank."""
         return {
             "generation": self.generation,
-            "servers": [s.addr for s in self.servers()],
+            "servers": [s.addr for s in self.servers("alive")],
             "workers": [
                 {
                     "rank": w.rank,
@@ -139,14 +181,14 @@ class Membership:
                     "local_rank": w.local_rank,
                     "local_size": w.local_size,
                 }
-                for w in self.workers()
+                for w in self.workers("alive")
             ],
         }
 
     def mark(self, uid: bytes, state: str) -> Node | None:
-        """Set a node's state to 'left' or 'lost'; return it if it was alive."""
+        """Set a node's state to 'left' or 'lost'; return it if it was alive (or joining)."""
         node = self.nodes.get(uid)
-        if node is None or node.state != "alive":
+        if node is None or node.state not in ("alive", "joining"):
             return None
         node.state = state
         return node

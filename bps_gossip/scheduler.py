@@ -6,11 +6,20 @@ that stop heart-beating are declared lost, and every other node is told at once 
 that nobody waits for the dead. Once every worker has left or died, the scheduler
 tells the servers to terminate and exits (BytePS issue #264: its scheduler never did).
 
+Elastic jobs (BPS_GOSSIP_ELASTIC=1) change membership instead of failing: a lost
+worker or server, a graceful leave, or (at the next commit check) workers waiting to
+join open a new generation. Every member is told ``changed`` at once (pending work
+of the old generation fails, recoverably); the workers answer ``rejoin``; once all
+have, the new address book goes out with one ``restore`` flag for everybody (true if
+anything crashed since the last book). A job below BPS_GOSSIP_MIN_WORKERS for longer
+than BPS_GOSSIP_ELASTIC_TIMEOUT fails with a message to every worker.
+
 Run it with ``DMLC_ROLE=scheduler bpslaunch`` or ``python -m bps_gossip.scheduler``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import sys
@@ -26,13 +35,24 @@ from .membership import Membership, Node
 from .transport import recv_message, send_message, shm
 
 
+@dataclasses.dataclass
+class Change:
+    """An elastic membership change in progress: who has rejoined, and why it began."""
+
+    generation: int
+    restore: bool
+    why: list[str]
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    ready: set[bytes] = dataclasses.field(default_factory=set)
+
+
 class Scheduler:
     """The scheduler's state and its single-threaded event loop."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("scheduler", config.log_level)
-        self.members = Membership(config.num_worker, config.num_server)
+        self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -40,6 +60,9 @@ class Scheduler:
         host = socket.gethostbyname(config.root_uri)
         self.sock.bind(f"tcp://{host}:{config.root_port}")
         self.barriers: dict[int, set[bytes]] = {}
+        self.commits: dict[int, set[bytes]] = {}
+        self.change: Change | None = None  # an elastic membership change waiting for rejoins
+        self.exit_code = 0
         self.running = True
 
     # -- sending ------------------------------------------------------------------
@@ -81,7 +104,12 @@ class Scheduler:
             self._send(uid, {"op": "refused", "why": str(exc)})
             return
         self.log.info("registered %s pid %s on %s", node.role, node.pid, node.host)
-        if self.members.complete():
+        if node.state == "joining":
+            self._send(uid, {"op": "wait", "why": "the job is running; joining at its next commit"})
+            if self.change is not None or not self.members.workers("alive"):
+                self._maybe_finish_change()  # nobody will commit: admit it with this change
+            return
+        if not self.members.started and self.members.complete():
             self.members.assign_ranks()
             book = self.members.book()
             for member in self.members.nodes.values():
@@ -90,6 +118,8 @@ class Scheduler:
                           book["generation"], len(book["workers"]), len(book["servers"]))
 
     def _on_barrier(self, uid: bytes, msg: dict[str, Any]) -> None:
+        if self.change is not None:
+            return  # sent in the old generation: the worker fails it itself on 'changed'
         seq = int(msg.get("seq", 0))
         waiting = self.barriers.setdefault(seq, set())
         waiting.add(uid)
@@ -103,14 +133,13 @@ class Scheduler:
         """A node left (gracefully) or was lost: tell everyone, fail barriers it blocks."""
         level = logging.WARNING if how == "lost" else logging.INFO
         self.log.log(level, "%s %s: %s", node.describe(), how, reason)
+        self._sweep(node, how)
+        if self.config.elastic and self.members.started:
+            self._on_gone_elastic(node, how, reason)
+            return
         notice = {"op": f"node_{how}", "role": node.role, "rank": node.rank, "pid": node.pid,
                   "host": node.host, "why": reason}
         self._tell_everyone(notice, skip=node.uid)
-        if how == "lost" and node.role == "worker" and node.host == self.config.node_host:
-            # A killed worker cannot unlink its shared memory (its resource tracker may be gone too).
-            removed = shm.sweep(self.config.job_id, node.pid)
-            if removed:
-                self.log.info("removed %d shared-memory segments of %s", removed, node.describe())
         if node.role == "worker":
             for seq, waiting in list(self.barriers.items()):
                 for member in waiting:
@@ -119,6 +148,107 @@ class Scheduler:
                 del self.barriers[seq]
         if self.members.all_workers_gone():
             self._terminate("every worker has shut down")
+
+    def _sweep(self, node: Node, how: str) -> None:
+        if how == "lost" and node.role == "worker" and node.host == self.config.node_host:
+            # A killed worker cannot unlink its shared memory (its resource tracker may be gone too).
+            removed = shm.sweep(self.config.job_id, node.pid)
+            if removed:
+                self.log.info("removed %d shared-memory segments of %s", removed, node.describe())
+
+    # -- elastic membership -------------------------------------------------------
+    def _on_gone_elastic(self, node: Node, how: str, reason: str) -> None:
+        if node.state == "joining" or (node.role == "worker" and node.rank < 0):
+            return  # never admitted: nobody depended on it
+        if node.role == "server":
+            if not self.members.servers("alive"):
+                self._fail_job(f"the last server ({node.describe()}) {how}: {reason}")
+                return
+        elif not self.members.workers("alive") and not self.members.workers("joining") and how == "left":
+            self._terminate("every worker has shut down")
+            return
+        self._begin_change(restore=how == "lost", why=f"{node.describe()} {how}: {reason}")
+
+    def _begin_change(self, restore: bool, why: str) -> None:
+        """Open a new generation: every member drops the old one and the workers rejoin."""
+        generation = self.members.next_generation()
+        if self.change is not None:  # a change during a change: one more reason, same rendezvous
+            restore = restore or self.change.restore
+            reasons = [*self.change.why, why]
+            since = self.change.since
+        else:
+            reasons, since = [why], time.monotonic()
+        self.change = Change(generation, restore, reasons, since)
+        self.barriers.clear()  # their members fail them locally on 'changed'
+        self.commits.clear()
+        self.log.info("generation %d begins (%s): %s", generation, "restore" if restore else "no restore", why)
+        notice = {"op": "changed", "generation": generation, "restore": restore, "why": why}
+        for member in self.members.nodes.values():
+            if member.state == "alive":
+                self._send(member.uid, notice)
+        self._maybe_finish_change()
+
+    def _on_rejoin(self, uid: bytes, msg: dict[str, Any]) -> None:
+        if self.change is None or int(msg.get("generation", -1)) != self.change.generation:
+            return  # an old generation's rejoin: a newer 'changed' is on its way to it
+        self.change.ready.add(uid)
+        self._maybe_finish_change()
+
+    def _maybe_finish_change(self) -> None:
+        """Send the new book once every surviving worker rejoined and there are enough."""
+        if self.change is None:
+            if self.members.workers("joining"):
+                self._begin_change(restore=False, why="workers joined a job without workers")
+            return
+        alive = {w.uid for w in self.members.workers("alive")}
+        count = len(alive) + len(self.members.workers("joining"))
+        if not alive <= self.change.ready or count < max(1, self.config.min_workers):
+            return
+        change, self.change = self.change, None
+        joined = self.members.reassign()
+        book = self.members.book()
+        for member in self.members.nodes.values():
+            if member.state == "alive":
+                self._send(member.uid, {"op": "book", "rank": member.rank, "book": book, "restore": change.restore})
+        self.log.info("generation %d: %d workers (%d joined), %d servers, restore=%s",
+                      book["generation"], len(book["workers"]), len(joined), len(book["servers"]), change.restore)
+
+    def _on_commit(self, uid: bytes, msg: dict[str, Any]) -> None:
+        """A commit check: a barrier whose answer (join or not) is the same for every worker."""
+        if self.change is not None:
+            return  # the worker is told 'changed' and fails the check itself
+        seq = int(msg.get("seq", 0))
+        waiting = self.commits.setdefault(seq, set())
+        waiting.add(uid)
+        if {w.uid for w in self.members.workers("alive")} <= waiting:
+            del self.commits[seq]
+            joining = self.members.workers("joining")
+            for member in waiting:
+                self._send(member, {"op": "commit_done", "seq": seq, "changed": bool(joining)})
+            if joining:
+                self._begin_change(restore=False, why=f"{len(joining)} worker(s) joined")
+
+    def _check_elastic(self, now: float) -> None:
+        if self.change is None or now - self.change.since <= self.config.elastic_timeout:
+            return
+        count = len(self.members.workers("alive")) + len(self.members.workers("joining"))
+        if count < self.config.min_workers:
+            self._fail_job(f"only {count} worker(s) for {now - self.change.since:.0f} s, fewer than "
+                           f"BPS_GOSSIP_MIN_WORKERS={self.config.min_workers} "
+                           f"(BPS_GOSSIP_ELASTIC_TIMEOUT={self.config.elastic_timeout:g}); last change: "
+                           + "; ".join(self.change.why))
+        else:
+            missing = [w.describe() for w in self.members.workers("alive") if w.uid not in self.change.ready]
+            self._fail_job(f"{', '.join(missing)} did not rejoin generation {self.change.generation} within "
+                           f"BPS_GOSSIP_ELASTIC_TIMEOUT={self.config.elastic_timeout:g} s")
+
+    def _fail_job(self, why: str) -> None:
+        self.log.error("the job failed: %s", why)
+        for member in self.members.nodes.values():
+            if member.role == "worker" and member.state in ("alive", "joining"):
+                self._send(member.uid, {"op": "job_failed", "why": why})
+        self.exit_code = 1
+        self._terminate(why)
 
     def _terminate(self, why: str) -> None:
         self.log.info("terminating: %s", why)
@@ -133,12 +263,22 @@ class Scheduler:
             node.last_seen = time.monotonic()
         if op == "register":
             self._on_register(uid, msg)
+        elif node is not None and node.state == "joining" and op in ("heartbeat", "leave"):
+            if op == "heartbeat":
+                self._send(uid, {"op": "hb_ack"})
+            else:
+                self.members.mark(uid, "left")
+                self._send(uid, {"op": "bye"})
         elif node is None or node.state != "alive":
             self._send(uid, {"op": "refused", "why": "not a registered member of this job"})
         elif op == "heartbeat":
             self._send(uid, {"op": "hb_ack"})
         elif op == "barrier":
             self._on_barrier(uid, msg)
+        elif op == "commit":
+            self._on_commit(uid, msg)
+        elif op == "rejoin":
+            self._on_rejoin(uid, msg)
         elif op == "leave":
             self.members.mark(uid, "left")
             self._send(uid, {"op": "bye"})
@@ -151,9 +291,11 @@ class Scheduler:
             return
         now = time.monotonic()
         for node in list(self.members.nodes.values()):
-            if node.state == "alive" and now - node.last_seen > self.config.heartbeat_timeout:
+            if node.state in ("alive", "joining") and now - node.last_seen > self.config.heartbeat_timeout:
                 self.members.mark(node.uid, "lost")
                 self._on_gone(node, "lost", f"no heartbeat for {now - node.last_seen:.1f} s")
+        if self.config.elastic:
+            self._check_elastic(now)
 
     # -- loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -179,7 +321,9 @@ def main() -> int:
     """Entry point: run the scheduler from the environment."""
     try:
         config = load_config()
-        Scheduler(config).run()
+        scheduler = Scheduler(config)
+        scheduler.run()
+        return scheduler.exit_code
     except BpsGossipError as exc:
         print(f"bps_gossip scheduler: {exc}", file=sys.stderr)
         return 2

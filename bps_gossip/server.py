@@ -68,6 +68,7 @@ class Server:
         self.rounds_done = 0
         self.segments: dict[str, AttachedSegment] = {}
         self.size = 0
+        self.generation = 0  # elastic: rounds of older generations are failed and dropped
         self.rank = -1
         self.running = True
         self.last_ack = time.monotonic()
@@ -95,6 +96,7 @@ class Server:
             if msg["op"] == "book":
                 self.rank = int(msg["rank"])
                 self.size = len(msg["book"]["workers"])
+                self.generation = int(msg["book"]["generation"])
                 self.log.info("server %d of the job at %s serves %d workers", self.rank, self.addr, self.size)
                 self.last_ack = time.monotonic()
                 return
@@ -149,6 +151,7 @@ class Server:
             else:
                 sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
             key, part, seq, name = int(msg["key"]), int(msg["part"]), int(msg["seq"]), str(msg["name"])
+            generation, size = int(msg.get("gen", 0)), int(msg.get("size", self.size))
         except (KeyError, TypeError, ValueError, OSError) as exc:
             self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
             return
@@ -162,10 +165,16 @@ class Server:
             self._reply(push, {"op": "error", "kind": "lost",
                                "why": f"tensor {name!r}: {why}; this job is not elastic, so it cannot go on"})
             return
-        rid = (key, part, seq)
+        if generation < self.generation:
+            self._reply(push, {"op": "error", "kind": "changed",
+                               "why": f"tensor {name!r}: generation {generation} of the job has ended"})
+            return
+        if generation > self.generation:  # a worker heard of the new generation before this server
+            self._new_generation(generation, "a new generation began")
+        rid = (generation, key, part, seq)
         rnd = self.rounds.get(rid)
         if rnd is None:
-            rnd = self.rounds[rid] = Round(rid, name, sig, wire, count, self.size)
+            rnd = self.rounds[rid] = Round(rid, name, sig, wire, count, size)
         elif push.rank in rnd.pushes:
             self._reply(push, {"op": "error", "kind": "protocol",
                                "why": f"tensor {name!r}: rank {push.rank} pushed partition {part} of round {seq} twice"})
@@ -233,6 +242,17 @@ class Server:
                 self._fail_round(rnd, "lost", f"tensor {rnd.name!r}: {why}")
             self.rounds.pop(rnd.rid, None)
 
+    def _new_generation(self, generation: int, why: str) -> None:
+        """Elastic: fail every round of an older generation (its workers are told to reset)."""
+        if generation <= self.generation:
+            return
+        self.generation = generation
+        for rnd in list(self.rounds.values()):
+            if rnd.rid[0] < generation:
+                if rnd.error is None:
+                    self._fail_round(rnd, "changed", f"tensor {rnd.name!r}: membership changed: {why}")
+                self.rounds.pop(rnd.rid, None)
+
     def _on_stats(self, route: bytes, msg: dict[str, Any]) -> None:
         send_message(self.sock, {
             "op": "stats", "req": msg.get("req"), "rank": self.rank,
@@ -248,6 +268,12 @@ class Server:
             self.running = False
         elif op in ("node_lost", "node_left") and msg.get("role") == "worker":
             self._on_worker_gone(msg, "was lost" if op == "node_lost" else "left the job")
+        elif op == "changed":
+            self._new_generation(int(msg["generation"]), str(msg.get("why")))
+        elif op == "book":
+            self.rank = int(msg["rank"])
+            self.size = len(msg["book"]["workers"])
+            self._new_generation(int(msg["book"]["generation"]), "a new generation began")
 
     def _expire_rounds(self) -> None:
         now = time.monotonic()
@@ -255,7 +281,7 @@ class Server:
             if rnd.error is None and now - rnd.created > self.config.timeout:
                 missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
                 self._fail_round(rnd, "timeout",
-                                 f"tensor {rnd.name!r} partition {rnd.rid[1]}: ranks {missing} did not push "
+                                 f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} did not push "
                                  f"within {self.config.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
                 self.rounds.pop(rnd.rid, None)
 

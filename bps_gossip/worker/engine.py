@@ -35,10 +35,12 @@ from ..errors import (
     BpsGossipError,
     CommTimeoutError,
     ConfigError,
+    JobFailedError,
     NotInitializedError,
     PeerLostError,
     ProtocolError,
     TensorMismatchError,
+    WorkersChangedError,
 )
 from ..logs import get_logger
 from ..transport import bind_random_port, recv_message, send_message
@@ -51,6 +53,7 @@ _ERROR_KINDS: dict[str, type[BpsGossipError]] = {
     "lost": PeerLostError,
     "timeout": CommTimeoutError,
     "protocol": ProtocolError,
+    "changed": WorkersChangedError,
 }
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
@@ -88,6 +91,7 @@ class Book:
     generation: int
     servers: list[str]
     workers: list[dict[str, Any]]
+    restore: bool = False  # elastic: roll back to the last commit (something crashed)
 
 
 class Engine:
@@ -117,6 +121,14 @@ class Engine:
         self._barriers: dict[int, Handle] = {}
         self._barrier_seq = 0
         self._stats: dict[int, tuple[Handle, list[Any]]] = {}
+        # Elastic: the error of a generation that ended, the one announced, who waits for it.
+        self._stale: WorkersChangedError | None = None
+        self._target_gen = 0
+        self._rejoin: Handle | None = None
+        self._commits: dict[int, Handle] = {}
+        self._commit_seq = 0
+        self._early_peer: list[tuple[dict[str, Any], list[zmq.Frame]]] = []
+        self._sockets_changed = False
         self._lost_servers: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index -> when it last sent anything
         self.channel: PeerChannel | None = None
@@ -180,7 +192,7 @@ class Engine:
             handle = payload.handle
         elif kind == "peer_expect":
             handle = payload[-1]
-        elif kind in ("barrier", "stats"):
+        elif kind in ("barrier", "stats", "rejoin", "commit"):
             handle = payload
         else:
             return  # peer_send: nothing waits for it
@@ -246,40 +258,82 @@ class Engine:
             "peer_addr": peer_addr, "DMLC_NUM_WORKER": cfg.num_worker, "DMLC_NUM_SERVER": cfg.num_server,
         })
         deadline = time.monotonic() + cfg.timeout
+        waited = False
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sched.poll(int(left * 1000)):
+            if left <= 0:
+                if waited:
+                    raise CommTimeoutError(
+                        f"worker pid {os.getpid()}: the running job at {cfg.scheduler_address} did not admit "
+                        f"this worker within {cfg.elastic_timeout + cfg.timeout:.1f} s (it joins at the next "
+                        "commit: does the training loop call state.commit()?)")
                 raise CommTimeoutError(
                     f"worker pid {os.getpid()}: no answer from the scheduler at {cfg.scheduler_address} "
                     f"within {cfg.timeout:.1f} s (check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, and that all "
                     f"DMLC_NUM_WORKER={cfg.num_worker} x BYTEPS_LOCAL_SIZE workers and "
                     f"DMLC_NUM_SERVER={cfg.num_server} servers started)"
                 )
+            if not self.sched.poll(int(min(left, cfg.heartbeat_interval) * 1000)):
+                if waited:  # a joiner heart-beats while it waits to be admitted
+                    send_message(self.sched, {"op": "heartbeat"})
+                continue
             _, msg, _ = recv_message(self.sched, routed=False)
             if msg["op"] == "refused":
                 raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
+            if msg["op"] == "job_failed":
+                raise JobFailedError(f"the elastic job failed: {msg.get('why')}")
+            if msg["op"] == "wait" and not waited:
+                waited = True
+                deadline = time.monotonic() + cfg.elastic_timeout + cfg.timeout
+                self.log.info("waiting to join the running job: %s", msg.get("why"))
             if msg["op"] == "book":
                 break
+        self._apply_book(msg)
+
+    def _apply_book(self, msg: dict[str, Any]) -> None:
+        """Take an address book (at init, and in an elastic job at every new generation)."""
+        cfg = self.config
         book = msg["book"]
         rank = int(msg["rank"])
         me = book["workers"][rank]
+        old = self.book
         self.book = Book(rank=rank, size=len(book["workers"]), local_rank=me["local_rank"],
                          local_size=me["local_size"], generation=book["generation"],
-                         servers=list(book["servers"]), workers=list(book["workers"]))
-        for index, addr in enumerate(self.book.servers):
-            if self.segments is not None and addr.rsplit(":", 1)[0] == f"tcp://{cfg.node_host}":
-                self.shm_servers.add(index)
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.uid)
-            # No high-water mark: a full queue would block this thread (no heartbeats, no
-            # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.connect(addr)
-            self.servers.append(sock)
-        self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log)
+                         servers=list(book["servers"]), workers=list(book["workers"]),
+                         restore=bool(msg.get("restore", False)))
+        if old is None or old.servers != self.book.servers:
+            for sock in self.servers:
+                sock.close(linger=0)
+            self.servers = []
+            self.shm_servers = set()
+            for index, addr in enumerate(self.book.servers):
+                if self.segments is not None and addr.rsplit(":", 1)[0] == f"tcp://{cfg.node_host}":
+                    self.shm_servers.add(index)
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, self.uid)
+                # No high-water mark: a full queue would block this thread (no heartbeats, no
+                # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+                sock.connect(addr)
+                self.servers.append(sock)
+            self._sockets_changed = True
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log,
+                                   self.book.generation)
+        with self._seq_lock:
+            self._seqs.clear()  # every rank numbers each name's rounds from 0 in a new generation
+        self._barrier_seq = 0
+        self._commit_seq = 0
+        self._lost_servers.clear()
+        self._heard.clear()
+        self._stale = None
         self._last_sched = time.monotonic()
+        early, self._early_peer = self._early_peer, []
+        for peer_msg, frames in early:
+            self._on_peer(peer_msg, frames)
 
     def _close_sockets(self) -> None:
         if self.segments is not None:
@@ -291,16 +345,13 @@ class Engine:
                 sock.close(linger=0)
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(self.sched, zmq.POLLIN)
-        poller.register(self.peer, zmq.POLLIN)
-        for sock in self.servers:
-            poller.register(sock, zmq.POLLIN)
+        poller = self._poller()
         interval = self.config.heartbeat_interval
         next_beat = 0.0
         more = False  # partitions ready to go: do not sleep in poll
         while self._running:
+            if self._sockets_changed:  # a new generation brought other servers
+                poller = self._poller()
             now = time.monotonic()
             if now >= next_beat:
                 send_message(self.sched, {"op": "heartbeat"})
@@ -318,6 +369,16 @@ class Engine:
                 if sock in events:
                     self._drain(sock, lambda msg, frames, i=index: self._on_server(i, msg, frames))
             more = self._dispatch()
+
+    def _poller(self) -> zmq.Poller:
+        self._sockets_changed = False
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.peer, zmq.POLLIN)
+        for sock in self.servers:
+            poller.register(sock, zmq.POLLIN)
+        return poller
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> None:
         for _ in range(1024):  # bounded, so a backlog of replies never delays a heartbeat for long
@@ -337,9 +398,17 @@ class Engine:
                 _, msg, frames = recv_message(self.peer, routed=True)
                 if msg["op"] != "gossip":
                     raise ProtocolError(f"unknown peer op {msg['op']!r}")
-                self.channel.on_message(msg, frames)
+                self._on_peer(msg, frames)
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 self.log.warning("dropped a malformed peer message: %s", exc)
+
+    def _on_peer(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        generation = int(msg.get("gen", 0))
+        if generation > self.book.generation:  # the sender has its new book already
+            self._early_peer.append((msg, frames))
+        elif generation == self.book.generation:
+            self.channel.on_message(msg, frames)
+        # else: a round of a generation that ended; nobody waits for it
 
     # ------------------------------------------------------------------ inbox
     def _drain_inbox(self) -> None:
@@ -358,6 +427,15 @@ class Engine:
             if self._broken is not None:
                 self._fail_item(kind, payload, self._broken)
                 continue
+            if kind == "rejoin":
+                self._rejoin = payload
+                if self._stale is not None:
+                    send_message(self.sched, {"op": "rejoin", "generation": self._target_gen})
+                continue  # else the 'changed' notice is on its way (a server told us first)
+            if self._stale is not None:
+                if kind != "peer_send":
+                    self._fail_item(kind, payload, self._stale)
+                continue
             if kind == "op":
                 self._enqueue(payload)
             elif kind == "barrier":
@@ -373,6 +451,10 @@ class Engine:
             elif kind == "peer_expect":
                 tag, rnd, sources, handle = payload
                 self.channel.expect(tag, rnd, sources, handle)
+            elif kind == "commit":
+                self._commit_seq += 1
+                self._commits[self._commit_seq] = payload
+                send_message(self.sched, {"op": "commit", "seq": self._commit_seq})
             elif kind == "stats":
                 req = next(self._req_ids)
                 self._stats[req] = (payload, [None] * len(self.servers))
@@ -421,6 +503,7 @@ class Engine:
                 "op": "push", "req": req, "rank": self.book.rank, "key": op.key, "name": op.name,
                 "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
                 "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"], "ack": not small,
+                "gen": self.book.generation, "size": self.book.size,
             }
             if op.segment is not None and server in self.shm_servers:
                 header["shm"] = op.segment.name
@@ -511,6 +594,35 @@ class Engine:
                         self._fail(pending, PeerLostError(f"push_pull {pending.name!r}: {why}"))
         elif op == "refused":
             self._fail_everything(PeerLostError(f"the scheduler no longer knows this worker: {msg.get('why')}"))
+        elif op == "changed":
+            self._on_changed(msg)
+        elif op == "book":
+            self._apply_book(msg)
+            if self._rejoin is not None:
+                self._rejoin.set_result(self.book)
+                self._rejoin = None
+        elif op == "commit_done":
+            handle = self._commits.pop(int(msg["seq"]), None)
+            if handle is not None:
+                handle.set_result(bool(msg["changed"]))
+        elif op == "job_failed":
+            self._fail_everything(JobFailedError(f"the elastic job failed: {msg.get('why')} [on rank {self.book.rank}]"))
+            if self._rejoin is not None:
+                self._rejoin.set_error(self._broken)
+                self._rejoin = None
+
+    def _on_changed(self, msg: dict[str, Any]) -> None:
+        """Elastic: the generation ended. Fail what is pending; rejoin when asked (reset())."""
+        generation = int(msg["generation"])
+        if generation <= max(self.book.generation, self._target_gen):
+            return
+        self._target_gen = generation
+        self._stale = WorkersChangedError(
+            f"the job's workers changed (generation {self.book.generation} -> {generation}): {msg.get('why')} "
+            f"[on rank {self.book.rank}]", restore=bool(msg.get("restore", True)))
+        self._fail_pending(self._stale)
+        if self._rejoin is not None:
+            send_message(self.sched, {"op": "rejoin", "generation": generation})
 
     def _server_of(self, op: Operation, req: int) -> int:
         entry = self._reqs.get(req)
@@ -530,6 +642,9 @@ class Engine:
 
     def _fail_everything(self, error: BpsGossipError) -> None:
         self._broken = error
+        self._fail_pending(error)
+
+    def _fail_pending(self, error: BpsGossipError) -> None:
         for op in list(self._pending):
             self._fail(op, error)
         self._heap.clear()
@@ -540,6 +655,10 @@ class Engine:
         for handle, _ in self._stats.values():
             handle.set_error(error)
         self._stats.clear()
+        for handle in self._commits.values():
+            handle.set_error(error)
+        self._commits.clear()
+        self._reqs.clear()
         if self.channel is not None:
             self.channel.fail_all(error)
 

@@ -41,13 +41,14 @@ class PeerChannel:
     """Sends to and collects from other workers; every method runs on the engine thread."""
 
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
-                 timeout: float, log: Any) -> None:
+                 timeout: float, log: Any, generation: int = 0) -> None:
         self.ctx = ctx
         self.uid = uid
         self.rank = rank
         self.workers = workers
         self.timeout = timeout
         self.log = log
+        self.generation = generation  # stamped on every message: a new generation ignores old rounds
         self.dealers: dict[int, zmq.Socket] = {}
         self.inbox: dict[tuple[str, int], dict[int, Message]] = {}
         self.waits: list[PeerWait] = []
@@ -66,7 +67,7 @@ class PeerChannel:
             sock.setsockopt(zmq.LINGER, 2000)  # let the last round reach its peers after shutdown
             sock.connect(self.workers[dst]["addr"])
             self.dealers[dst] = sock
-        header = {**header, "op": "gossip", "src": self.rank,
+        header = {**header, "op": "gossip", "src": self.rank, "gen": self.generation,
                   "dtypes": [a.dtype.str for a in arrays], "counts": [int(a.size) for a in arrays]}
         send_message(sock, header, [np.ascontiguousarray(a) for a in arrays])
 

@@ -1,0 +1,121 @@
+"""What an elastic job keeps across membership changes: save, restore, sync, commit."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import api
+from ..errors import HostsUpdatedInterrupt
+
+
+def broadcast_object(obj: Any, name: str, root_rank: int = 0) -> Any:
+    """Return root_rank's ``obj`` on every rank (pickled, sent as bytes through the servers)."""
+    if api.size() == 1:
+        return obj
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if api.rank() == root_rank else b""
+    length = api.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
+    data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(int(length[0]), dtype=np.uint8)
+    data = api.broadcast(data, f"{name}.bytes", root_rank)
+    return pickle.loads(data.tobytes())
+
+
+class State:
+    """The base of everything an elastic job keeps; subclasses say how to save, restore and sync.
+
+    ``commit()`` saves and then asks whether workers wait to join (a barrier on every
+    rank, so all ranks decide alike); if so it raises HostsUpdatedInterrupt, which
+    :func:`run` handles by resetting without rollback.
+    """
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call these after every reset (e.g. to scale the learning rate with the new size())."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (called by :func:`run` once the new generation is in)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def save(self) -> None:
+        """Keep a copy of the current state in memory (the commit point)."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last saved copy."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's (after a reset, and when a run starts)."""
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        """Save, then raise HostsUpdatedInterrupt if workers are waiting to join."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise HostsUpdatedInterrupt when workers wait to join (same answer on every rank)."""
+        if api.is_initialized() and api.is_elastic() and api.commit_check():
+            raise HostsUpdatedInterrupt(f"workers are joining the job [on rank {api.rank()}]")
+
+
+def _stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+class ObjectState(State):
+    """Plain Python values as attributes: ``state = ObjectState(epoch=0, batch=0)``.
+
+    Values with ``state_dict()``/``load_state_dict()`` (an :class:`ElasticSampler`) are
+    saved and synced through those, in place, so that a DataLoader holding them sees the
+    change; their ``on_sync()`` runs after every sync.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._names = list(kwargs)
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self._saved: dict[str, Any] = {}
+        self.save()
+
+    def _snapshot(self) -> dict[str, Any]:
+        out = {}
+        for key in self._names:
+            value = getattr(self, key)
+            out[key] = copy.deepcopy(value.state_dict() if _stateful(value) else value)
+        return out
+
+    def _load(self, snapshot: dict[str, Any]) -> None:
+        for key, value in snapshot.items():
+            current = getattr(self, key)
+            if _stateful(current):
+                current.load_state_dict(copy.deepcopy(value))
+            else:
+                setattr(self, key, copy.deepcopy(value))
+
+    def save(self) -> None:
+        """Deep-copy every attribute given to the constructor."""
+        self._saved = self._snapshot()
+
+    def restore(self) -> None:
+        """Put the saved copies back."""
+        self._load(self._saved)
+
+    def sync(self) -> None:
+        """Take rank 0's values and make them the saved copy too."""
+        if api.is_initialized() and api.size() > 1:
+            self._load(broadcast_object(self._snapshot(), "elastic.object_state"))
+        for key in self._names:
+            on_sync = getattr(getattr(self, key), "on_sync", None)
+            if callable(on_sync):
+                on_sync()
+        self.save()
