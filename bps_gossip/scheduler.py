@@ -79,9 +79,10 @@ class Scheduler:
 
     # -- handlers -----------------------------------------------------------------
     def _on_register(self, uid: bytes, msg: dict[str, Any]) -> None:
+        late_joiner = self.config.elastic and self.members.started and msg.get("role") == "worker"
         for var, mine in (("DMLC_NUM_WORKER", self.config.num_worker), ("DMLC_NUM_SERVER", self.config.num_server)):
             theirs = msg.get(var)
-            if theirs != mine:
+            if theirs != mine and not late_joiner:  # a joiner need not know the job's initial shape
                 self._send(uid, {"op": "refused", "why": f"{var}={theirs} at the {msg.get('role')} but {mine} at the scheduler"})
                 return
         try:

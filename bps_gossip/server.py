@@ -81,16 +81,22 @@ class Server:
             "pid": os.getpid(), "DMLC_NUM_WORKER": self.config.num_worker,
             "DMLC_NUM_SERVER": self.config.num_server,
         })
-        deadline = time.monotonic() + self.config.timeout
+        # Workers may start much later than the servers (slow imports, a busy cluster): wait
+        # as long as the scheduler answers heartbeats, and give up only when it falls silent.
+        interval = self.config.heartbeat_interval
+        heard = time.monotonic()
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sched.poll(int(left * 1000)):
+            if time.monotonic() - heard > self.config.timeout:
                 raise CommTimeoutError(
                     f"server {self.addr}: no address book from the scheduler at "
-                    f"{self.config.scheduler_address} within {self.config.timeout:.1f} s "
-                    "(is it running, and did every worker register?)"
+                    f"{self.config.scheduler_address}, and no answer for {self.config.timeout:.1f} s "
+                    "(is it running?)"
                 )
+            if not self.sched.poll(int(interval * 1000)):
+                send_message(self.sched, {"op": "heartbeat"})
+                continue
             _, msg, _ = recv_message(self.sched, routed=False)
+            heard = time.monotonic()
             if msg["op"] == "refused":
                 raise ProtocolError(f"scheduler refused this server: {msg.get('why')}")
             if msg["op"] == "book":

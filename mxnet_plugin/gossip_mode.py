@@ -36,6 +36,7 @@ class ParameterGossip:
     def __init__(self, params: list[mx.gluon.Parameter], tag: str, **averager_args: Any) -> None:
         self.params = params
         self.tag = tag
+        self.graph_spec = averager_args["graph"]  # a name can be rebuilt for another size (elastic)
         averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
         self.averager_args = averager_args
         self.averager: GossipAverager | None = None
@@ -52,6 +53,16 @@ class ParameterGossip:
             size = int(np.prod(param.shape))
             self.layout.setdefault(key, []).append((param, offsets.get(key, 0), size))
             offsets[key] = offsets.get(key, 0) + size
+
+    def reset_world(self) -> None:
+        """Elastic: drop the averager (its rounds died with the old generation); the next step
+        starts a new one on the synced parameters, with the graph built for the new size."""
+        if not isinstance(self.graph_spec, str) and self.graph_spec.world_size != core.size():
+            raise ValueError(f"gossip: the explicit graph is for {self.graph_spec.world_size} workers and cannot "
+                             f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
+        args = {**self.averager_args, "graph": self.graph_spec}
+        self.averager_args["graph"] = GossipAverager.check_arguments(core.size(), **args)
+        self.averager = None
 
     def pack(self) -> dict[str, np.ndarray]:
         """The parameters' current values (first device copy), as flat buffers by dtype."""

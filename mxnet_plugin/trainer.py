@@ -88,9 +88,15 @@ class DistributedTrainer(mx.gluon.Trainer):
         index_of = {id(param): index for index, param in enumerate(self._params)}
         self._ready_order = [(index_of[id(p)], p) for p in reversed(given)]
         self.average_every = average_every
-        self.overlap_backward = enabled_by_default() if overlap_backward is None else bool(overlap_backward)
+        if overlap_backward is None:
+            # Elastic jobs take the host path: a push_pull that fails inside MXNet's engine marks
+            # the gradient and every array computed from it as failed for good, so the state
+            # could not be restored; on the host path step() raises before the update instead.
+            overlap_backward = enabled_by_default() and not core.is_elastic()
+        self.overlap_backward = bool(overlap_backward)
         self.num_steps = 0
         self._gossip: ParameterGossip | None = None
+        self._unscaled = self._scale
         if mode == "allreduce":
             self._scale /= core.size()
         else:
@@ -99,6 +105,19 @@ class DistributedTrainer(mx.gluon.Trainer):
         for param in self._params:
             if not is_initialized(param):
                 broadcast_when_initialized(param, self.root_rank)
+
+    def reset_world(self) -> None:
+        """Elastic: adapt to the job's new size() once the state is synced (every rank).
+
+        Allreduce mode divides gradients by the new number of workers; gossip mode builds
+        the graph for the new size and restarts push-sum from weight 1 on the synced
+        parameters. The first-step broadcast counts as done (the sync did it).
+        """
+        if self._gossip is None:
+            self._scale = self._unscaled / core.size()
+        else:
+            self._gossip.reset_world()
+        self._params_to_init = [param for param in self._params if not is_initialized(param)]
 
     def _init_params(self) -> None:
         """Broadcast every initialized parameter that has not been broadcast yet."""

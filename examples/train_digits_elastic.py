@@ -1,0 +1,102 @@
+"""Elastic training of the digits MLP: workers may die, leave or join while it trains.
+
+    bpslaunch -np 3 --min-np 2 --max-np 4 python examples/train_digits_elastic.py
+
+The whole state (parameters, optimizer states, epoch, the sampler's position) is
+committed every ``--commit-every`` steps. A crashed worker costs the steps since the
+last commit; the survivors re-split what is left of the epoch and go on, and a worker
+that joins (``bpslaunch --join ...``) is absorbed at the next commit. ``--kill-rank R
+--kill-step S`` makes rank R SIGKILL itself at step S (once, in the first generation)
+to watch a recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import mxnet as mx
+
+import mxnet_plugin as bps
+from mxnet_plugin import elastic
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_digits import accuracy, build_net, load_data  # noqa: E402
+
+
+def fingerprint(net: mx.gluon.Block) -> str:
+    """A hash of every parameter's bytes: equal on two ranks only if the models are identical."""
+    digest = hashlib.sha1()
+    for name, param in sorted(net.collect_params().items()):
+        digest.update(name.encode())
+        digest.update(param.data().asnumpy().tobytes())
+    return digest.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["gossip", "allreduce"], default="allreduce")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--report-json", action="store_true", help="print a RESULT line with the outcome")
+    args = parser.parse_args(argv)
+
+    bps.init()
+    x_train, y_train, x_test, y_test = load_data()
+    dataset = mx.gluon.data.ArrayDataset(mx.nd.array(x_train), mx.nd.array(y_train))
+    sampler = elastic.ElasticSampler(len(dataset), shuffle=True, seed=args.seed)
+    loader = mx.gluon.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    mx.random.seed(args.seed + bps.rank())
+    net = build_net()
+    net.initialize(mx.init.Xavier())
+    net(mx.nd.array(x_train[:1]))  # shapes are deferred: the state needs real parameters
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": args.lr, "momentum": 0.9},
+                                     mode=args.mode)
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    state = elastic.GluonState(net, trainer, sampler=sampler, epoch=0, step=0)
+    state.register_reset_callbacks([lambda: print(
+        f"rank {bps.rank()}: now {bps.size()} workers (generation {bps.generation()})", flush=True)])
+
+    @elastic.run
+    def train(state: elastic.GluonState) -> None:
+        while state.epoch < args.epochs:
+            for batch_index, (data, label) in enumerate(loader):
+                if bps.rank() == args.kill_rank and state.step == args.kill_step and bps.generation() == 1:
+                    os.kill(os.getpid(), 9)
+                with mx.autograd.record():
+                    loss = loss_fn(net(data), label)
+                loss.backward()
+                trainer.step(data.shape[0])
+                sampler.record_batch(batch_index, args.batch_size)
+                state.step += 1
+                if state.step % args.commit_every == 0:
+                    state.commit()
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)
+            state.commit()
+            print(f"rank {bps.rank()} of {bps.size()}: epoch {state.epoch}/{args.epochs} step {state.step} "
+                  f"test accuracy {accuracy(net, x_test, y_test):.4f}", flush=True)
+
+    train(state)
+    trainer.average_parameters()  # gossip mode: end on one model (allreduce: already one)
+    final = accuracy(net, x_test, y_test)
+    print(f"rank {bps.rank()} final test accuracy {final:.4f} after {state.step} steps, "
+          f"{bps.size()} workers at the end", flush=True)
+    if args.report_json:
+        print("RESULT " + json.dumps({"rank": bps.rank(), "size": bps.size(), "step": state.step,
+                                      "epoch": state.epoch, "accuracy": final, "generation": bps.generation(),
+                                      "fingerprint": fingerprint(net)}), flush=True)
+    bps.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

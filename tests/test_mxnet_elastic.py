@@ -1,0 +1,44 @@
+"""Elastic Gluon training on real processes: examples/train_digits_elastic.py with a
+worker SIGKILLed mid-training, in allreduce and in gossip mode."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits_elastic.py"
+# A longer timeout than the other tests': three processes importing MXNet on two cores.
+ELASTIC_ENV = {"BPS_GOSSIP_ELASTIC": "1", "BPS_GOSSIP_MIN_WORKERS": "1", "BPS_GOSSIP_ELASTIC_TIMEOUT": "30",
+               "BPS_GOSSIP_TIMEOUT": "30"}
+
+
+def run_example(job, args: list[str], timeout: float = 150) -> list:
+    procs = []
+    for index in range(job.workers):
+        env = {**job.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index)}
+        proc = job.spawn([sys.executable, str(EXAMPLE), "--report-json", *args], env, f"digits{index}")
+        proc.rank_hint = index
+        procs.append(proc)
+    return job.wait(procs, timeout)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["allreduce", "gossip"])
+def test_killed_worker_gluon_survivors_agree(cluster, mode):
+    job = cluster(3, env=ELASTIC_ENV)
+    done = run_example(job, ["--mode", mode, "--epochs", "3", "--kill-rank", "2", "--kill-step", "12",
+                             "--commit-every", "4"])
+    survivors = [f for f in done if f.rank_hint != 2]
+    killed = next(f for f in done if f.rank_hint == 2)
+    assert killed.returncode == -9, job.dump()
+    for f in survivors:
+        assert f.returncode == 0, job.dump()
+    results = [f.result for f in survivors]
+    assert {r["size"] for r in results} == {2}
+    assert len({r["fingerprint"] for r in results}) == 1, f"survivors' parameters differ: {results}"
+    assert len({r["step"] for r in results}) == 1 and results[0]["epoch"] == 3
+    assert all(r["accuracy"] > 0.85 for r in results), results
+    assert all("now 2 workers" in f.stdout for f in survivors), job.dump()
+    job.wait_servers_exit()
