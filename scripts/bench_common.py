@@ -193,33 +193,46 @@ def base_env(extra: dict[str, str]) -> dict[str, str]:
 class WorkerGroup:
     """One system's cluster: scheduler, servers and workers that obey JSON commands."""
 
-    def __init__(self, job: Job, system: System, shape: ClusterShape, worker_argv: list[str]) -> None:
+    def __init__(self, job: Job, system: System, shape: ClusterShape, worker_argv: list[str],
+                 network: Any = None) -> None:
         self.job = job
         self.system = system
         self.shape = shape
-        port = free_port()
+        self.network = network
+        port = free_port()  # with a network: used inside the scheduler's private namespace only
         common = {"DMLC_NUM_WORKER": str(shape.workers), "DMLC_NUM_SERVER": str(shape.servers),
-                  "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+                  "DMLC_PS_ROOT_URI": self._address("scheduler"), "DMLC_PS_ROOT_PORT": str(port),
                   "DMLC_NODE_HOST": "127.0.0.1", **system.env}
         if system.kind == "mxnet":
-            common["DMLC_INTERFACE"] = "lo"
+            common["DMLC_INTERFACE"] = "lo" if network is None else network.interface
             role_argv = {role: [sys.executable, "-c", "import mxnet"] for role in ("scheduler", "server")}
         elif system.kind == "bps":
             role_argv = {role: [sys.executable, "-m", f"bps_gossip.{role}"] for role in ("scheduler", "server")}
         else:
             raise BenchError(f"unknown system kind {system.kind!r}")
         tag = f"{shape.label}_{system.name.replace(' ', '_').replace('(', '').replace(')', '')}"
-        self.support = [job.spawn(role_argv["scheduler"], base_env({**common, "DMLC_ROLE": "scheduler"}),
-                                  f"{tag}_scheduler")]
-        self.support += [job.spawn(role_argv["server"], base_env({**common, "DMLC_ROLE": "server"}),
-                                   f"{tag}_server{i}") for i in range(shape.servers)]
+        self.support = [job.spawn(*self._placed("scheduler", role_argv["scheduler"], common), f"{tag}_scheduler")]
+        self.support += [job.spawn(*self._placed(f"server{i}", role_argv["server"], common), f"{tag}_server{i}")
+                         for i in range(shape.servers)]
         self.workers = [
-            job.spawn([*worker_argv, "--worker-kind", system.kind, "--worker-mode", system.mode],
-                      base_env({**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}),
+            job.spawn(*self._placed(f"worker{i}", [*worker_argv, "--worker-kind", system.kind,
+                                                   "--worker-mode", system.mode], common),
                       f"{tag}_worker{i}", pipes=True)
             for i in range(shape.workers)
         ]
         self.buffers = {proc.pid: b"" for proc in self.workers}
+
+    def _address(self, host: str) -> str:
+        return "127.0.0.1" if self.network is None else self.network.address(host)
+
+    def _placed(self, host: str, argv: list[str], common: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of the process on ``host`` ('scheduler', 'server1', 'worker0', ...):
+        on 127.0.0.1, or inside that host's namespace advertising its own address."""
+        role = host.rstrip("0123456789")
+        env = {**common, "DMLC_ROLE": role, "DMLC_NODE_HOST": self._address(host)}
+        if role == "worker":
+            env["DMLC_WORKER_ID"] = host[len("worker"):]
+        return (argv if self.network is None else self.network.exec_argv(host, argv)), base_env(env)
 
     def command(self, message: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         """Send ``message`` to every worker; return their replies, in worker order.
@@ -284,10 +297,14 @@ class WorkerGroup:
         self.job.close(self.support, grace=10.0)
 
 
-def start_groups(job: Job, systems: Sequence[System], shape: ClusterShape, worker_argv: list[str]
-                 ) -> list[WorkerGroup]:
-    """Start every system's cluster at once (start-up overlaps) and wait until all are ready."""
-    groups = [WorkerGroup(job, system, shape, worker_argv) for system in systems]
+def start_groups(job: Job, systems: Sequence[System], shape: ClusterShape, worker_argv: list[str],
+                 network: Any = None) -> list[WorkerGroup]:
+    """Start every system's cluster at once (start-up overlaps) and wait until all are ready.
+
+    ``network`` (a scripts/netns.py Network with hosts scheduler, server<i>, worker<i>) puts
+    every process in its own namespace; by default all run on 127.0.0.1.
+    """
+    groups = [WorkerGroup(job, system, shape, worker_argv, network) for system in systems]
     for group in groups:
         group.command({"cmd": "hello"}, STARTUP_TIMEOUT)
     return groups

@@ -3,6 +3,7 @@
     /tmp/venv/bin/python scripts/bench_push_pull.py --quick
     /tmp/venv/bin/python scripts/bench_push_pull.py --json push_pull.json
     /tmp/venv/bin/python scripts/bench_push_pull.py --sizes 4K,64M --configs 2w1s,2w2s
+    sudo /tmp/venv/bin/python scripts/bench_push_pull.py --netns 1000 --slow worker3=100 --configs 4w1s
 
 For each cluster configuration every system runs its own scheduler, servers and
 workers on 127.0.0.1, all at once; the driver then interleaves the systems pass by
@@ -11,6 +12,10 @@ seconds. A pass is ``iters`` back-to-back blocking push_pulls (sum) of a float32
 NDArray; its time is the slowest rank's. The reported time per op is the median
 over passes. Every result of every pass (and warm-up) is checked against the exact
 sum over ranks; one wrong element aborts the run.
+
+With ``--netns MBIT`` every process runs in its own network namespace (scripts/netns.py:
+emulated hosts on a switch, links limited to MBIT Mbit/s, ``--slow`` for one host), so
+every payload of both systems crosses a rate-limited link over TCP. Needs root.
 
 Both systems write the result into the pushed array (ours by API, MXNet's dist
 KVStore as a side effect), so every pass refills its inputs before the timer starts.
@@ -52,9 +57,11 @@ REFERENCE = "mxnet dist_sync"
 RANK_STRIDE = 4096.0  # per-rank offset of the fill values; all sums stay exact in float32
 
 
-def systems() -> list[System]:
+def systems(separate_hosts: bool = False) -> list[System]:
     """The columns, ours first. A data-path variant of ours is one more line here."""
-    if shm_understood():
+    if separate_hosts:  # every process on its own host: shared memory never applies
+        ours = [System("ours (tcp)", "bps")]
+    elif shm_understood():
         ours = [System("ours (shm on)", "bps", {"BPS_GOSSIP_SHM": "1"}),
                 System("ours (shm off)", "bps", {"BPS_GOSSIP_SHM": "0"})]
     else:
@@ -189,10 +196,10 @@ def op_timeout(nbytes: int, iters: int) -> float:
 
 
 def bench_shape(job: Job, shape: ClusterShape, sizes: list[int], args: argparse.Namespace,
-                columns: list[System]) -> list[dict[str, Any]]:
+                columns: list[System], network: Any = None) -> list[dict[str, Any]]:
     """All sizes on one cluster configuration, systems interleaved; one record per size."""
     argv = [sys.executable, str(Path(__file__).resolve())]
-    groups = start_groups(job, columns, shape, argv)
+    groups = start_groups(job, columns, shape, argv, network)
     records = []
     try:
         for nbytes in sizes:
@@ -261,6 +268,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed (but checked) passes before timing")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
+    parser.add_argument("--netns", type=float, metavar="MBIT",
+                        help="run every process in its own network namespace, links limited to MBIT Mbit/s "
+                             "(0: unlimited); needs root (scripts/netns.py)")
+    parser.add_argument("--slow", action="append", default=[], metavar="HOST=MBIT",
+                        help="with --netns: a slower link for one host, e.g. worker3=100 (repeatable)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
     parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -269,7 +281,27 @@ def parse_args() -> argparse.Namespace:
     args.passes = args.passes or (3 if args.quick else 5)
     if any(size % 4 for size in args.sizes):
         parser.error("sizes must be multiples of 4 bytes (float32)")
+    if args.slow and args.netns is None:
+        parser.error("--slow needs --netns")
     return args
+
+
+def build_network(args: argparse.Namespace) -> Any:
+    """With --netns: the emulated hosts of the largest configuration (scripts/netns.py); else None."""
+    if args.netns is None:
+        return None
+    import netns
+    from netns_cluster import host_names, parse_slow
+
+    netns.check_prerequisites()
+    hosts = host_names(max(s.workers for s in args.shapes), max(s.servers for s in args.shapes))
+    slow = parse_slow(args.slow)
+    if set(slow) - set(hosts):
+        raise netns.NetnsError(f"--slow names unknown host(s) {sorted(set(slow) - set(hosts))}; hosts: {hosts}")
+    netns.cleanup_leftovers()
+    network = netns.Network(hosts, args.netns, slow).create()
+    print("emulated hosts (network namespaces):\n" + network.describe() + "\n", flush=True)
+    return network
 
 
 def main() -> int:
@@ -278,9 +310,9 @@ def main() -> int:
     if args.worker_kind:
         return worker_main(args.worker_kind)
     install_sigterm_handler()
-    columns = systems()
+    columns = systems(separate_hosts=args.netns is not None)
     notes = [n for n in [horovod_note()] if n]
-    if not shm_understood():
+    if not shm_understood() and args.netns is None:
         notes.append("BPS_GOSSIP_SHM not understood by bps_gossip yet: one 'ours' column")
     for note in notes:
         print(f"note: {note}")
@@ -289,24 +321,32 @@ def main() -> int:
     started = time.monotonic()
     info = machine_info()
     records: list[dict[str, Any]] = []
+    try:
+        network = build_network(args)
+    except Exception as exc:  # NetnsError: not root, no iproute2, ...
+        print(f"cannot build the emulated network: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="bench_pp_") as tmp:
         logdir = args.logdir or Path(tmp)
         logdir.mkdir(parents=True, exist_ok=True)
         job = Job(logdir)
         try:
             for shape in args.shapes:
-                records += bench_shape(job, shape, args.sizes, args, columns)
+                records += bench_shape(job, shape, args.sizes, args, columns, network)
         except BenchError as exc:
             print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr)
             return 1
         finally:
             job.close(grace=0.0)
+            if network is not None:
+                network.destroy()
     records.sort(key=lambda r: (r["bytes"], r["workers"], r["servers"]))
     print("\nsorted by size:\n" + format_rows(records, columns))
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     write_json(args.json, {"what": "push_pull", "machine_at_start": info, "machine_at_end": machine_info(),
                            "passes": args.passes, "warmup_passes": args.warmup,
-                           "systems": [s.name for s in columns], "notes": notes, "results": records})
+                           "systems": [s.name for s in columns], "notes": notes, "results": records,
+                           "netns": None if network is None else {"mbit": args.netns, "slow": args.slow}})
     return 0
 
 

@@ -194,6 +194,8 @@ class Network:
         """``argv`` run inside ``host``'s namespace (``ip netns exec`` execs it: same pid)."""
         return ["ip", "netns", "exec", self.hosts[host].namespace, *argv]
 
+    interface = HOST_IFACE  # the link's name inside every host namespace
+
     def address(self, host: str) -> str:
         """The host's IP address on the private subnet."""
         return self.hosts[host].address

@@ -114,5 +114,5 @@ def experiment(net: netns.Network, args: argparse.Namespace, logdir: Path) -> in
     print(format_table(headers, rows), flush=True)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "command"},
-                                               "runs": records}, indent=1) + "\n")
+                                               "runs": records}, indent=1, default=str) + "\n")
     return 0
