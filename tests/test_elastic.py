@@ -39,6 +39,17 @@ def start(job: Cluster, count: int, env: dict[str, str] | None = None, first_id:
     return procs
 
 
+def wait_for_commits(proc, count: int, timeout: float = 60) -> None:
+    """Block until ``proc`` has reported ``count`` commits (training is under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.out_file.flush()
+        if Path(proc.out_file.name).read_text().count('"commit"') >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {count} commits within {timeout} s")
+
+
 def check_job(done: list[Finished], job: Cluster, killed: set[int] = frozenset(), commit_every: int = 2) -> None:
     """Survivors finish with identical, exact parameters; every sample counted once per epoch."""
     survivors = [f for f in done if f.rank_hint not in killed and any(r[0] == "final" for r in f.results)]
@@ -97,7 +108,7 @@ def test_graceful_leave_no_rollback(cluster):
 def test_worker_joins_at_next_commit(cluster):
     job = cluster(2, env=ELASTIC_ENV)
     first = start(job, 2, {"STEP_SLEEP": "0.15", "EPOCHS": str(EPOCHS)})
-    time.sleep(3)  # the job is running
+    wait_for_commits(first[0], 1)
     joiner = start(job, 1, {"STEP_SLEEP": "0.15"}, first_id=2)
     done = job.wait(first + joiner, timeout=120)
     check_job(done, job)
@@ -135,3 +146,18 @@ def test_kill_loop_random_points(cluster):
         trials.append((rank, step))
         job.close()
     print("kill trials (rank, step):", trials)
+
+
+@pytest.mark.timeout(150)
+def test_server_lost_keys_move_to_the_other(cluster):
+    job = cluster(2, servers=2, env=ELASTIC_ENV)
+    procs = start(job, 2, {"STEP_SLEEP": "0.3"})
+    wait_for_commits(procs[0], 2)
+    victim = job.server_procs[1]
+    assert victim.poll() is None, job.dump()
+    os.kill(victim.pid, 9)
+    done = job.wait(procs, timeout=120)
+    check_job(done, job)
+    for f in done:
+        assert any(r[0] == "restored" for r in f.results), f"no rollback after a server crash:\n{job.dump()}"
+    job.wait_servers_exit()
