@@ -9,6 +9,9 @@ exit code.
 Local mode: ``bpslaunch -np N [--num-servers S] COMMAND...`` runs a scheduler, S servers
 and N workers on 127.0.0.1, prefixes each output line of a worker with ``[rank] ``, and
 stops everything as soon as one worker fails or bpslaunch gets SIGINT/SIGTERM/SIGHUP.
+With ``--min-np``/``--max-np`` the local job is elastic: a failed worker is restarted up to
+``--reset-limit`` times (:mod:`bps_gossip.launch_elastic`), and ``bpslaunch --join COMMAND``
+adds a worker to a running elastic job.
 
 Every child runs in its own session, so that stopping it also stops whatever it started:
 the launcher sends the signal to the child's process group, waits a grace period, then
@@ -18,6 +21,7 @@ sends SIGKILL. The environment is checked with :func:`load_config` before anythi
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib
 import os
@@ -33,6 +37,14 @@ from typing import IO
 
 from .config import load_config
 from .errors import ConfigError
+from .launch_elastic import (
+    ElasticOptions,
+    ElasticRun,
+    check_elastic_env,
+    join_command,
+    join_env,
+    restart_delay,
+)
 from .transport import shm
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
@@ -55,6 +67,8 @@ class _Child:
     proc: subprocess.Popen
     pumps: list[threading.Thread]
     code: int | None = None
+    # The last lines it printed on stderr (when piped): bpslaunch quotes them when it fails.
+    tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
 
 
 class Supervisor:
@@ -91,24 +105,26 @@ class Supervisor:
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         proc = subprocess.Popen(argv, env=dict(env), stdin=stdin, stdout=pipe, stderr=pipe,
                                 start_new_session=True)
-        pumps = []
+        child = _Child(label, role, proc, [])
         if prefix is not None:
-            for pipe_in, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode()),
+            for pipe_in, sink, tail in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, child.tail)):
+                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail),
                                           name=f"bpslaunch-{label}", daemon=True)
                 thread.start()
-                pumps.append(thread)
-        child = _Child(label, role, proc, pumps)
+                child.pumps.append(thread)
         self.children.append(child)
         return child
 
-    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes) -> None:
+    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes,
+              tail: collections.deque[str] | None = None) -> None:
         """Copy ``pipe`` to ``sink`` one line at a time, each behind ``prefix``."""
         out = getattr(sink, "buffer", None)
         with pipe:
             for line in iter(pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
+                if tail is not None:
+                    tail.append(line.decode(errors="replace").rstrip())
                 with self._out_lock:
                     if out is not None:
                         out.write(prefix + line)
@@ -122,7 +138,7 @@ class Supervisor:
             print(f"bpslaunch: {message}", file=sys.stderr, flush=True)
 
     # -- waiting --------------------------------------------------------------------
-    def _reap(self) -> list[_Child]:
+    def reap(self) -> list[_Child]:
         """Record the exit codes of children that ended since the last call; return them."""
         ended = []
         for child in self.children:
@@ -144,7 +160,7 @@ class Supervisor:
                 self.note(f"got {signal.Signals(sig).name}; stopping every process")
                 self.stop(sig)
                 return 128 + sig
-            for child in self._reap():
+            for child in self.reap():
                 if child.code != 0 and first_error == 0:
                     if fail_fast or child.role == "worker":
                         first_error = child.code
@@ -156,18 +172,18 @@ class Supervisor:
             if all(c.code is not None for c in self.children if c.role == "worker"):
                 break
             time.sleep(_POLL_SECONDS)
-        self._wait_services()
+        self.wait_services()
         if self.signals:
             self.stop(self.signals[0])
             return 128 + self.signals[0]
         return first_error
 
-    def _wait_services(self) -> None:
+    def wait_services(self) -> None:
         """Give the scheduler and servers a bounded time to exit by themselves."""
         deadline = time.monotonic() + SERVICE_EXIT_SECONDS
         while any(c.code is None for c in self.children) and time.monotonic() < deadline and not self.signals:
             time.sleep(_POLL_SECONDS)
-            self._reap()
+            self.reap()
         late = [c.label for c in self.children if c.code is None]
         if late:
             self.note(f"{', '.join(late)} did not exit within {SERVICE_EXIT_SECONDS:.0f} s "
@@ -204,7 +220,7 @@ class Supervisor:
             if child.proc.poll() is None:
                 self._signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
-        self._reap()
+        self.reap()
 
     def close(self) -> None:
         """Kill every group still alive (also what finished children left behind), wait for
@@ -246,30 +262,37 @@ def _check_command(command: list[str], env: Mapping[str, str]) -> None:
 
 
 def run_local(num_proc: int, num_servers: int, command: list[str],
-              base_env: Mapping[str, str] | None = None) -> int:
+              base_env: Mapping[str, str] | None = None, elastic: ElasticOptions | None = None) -> int:
     """Local mode: a scheduler, ``num_servers`` servers and ``num_proc`` workers on 127.0.0.1.
 
     With one worker and BYTEPS_FORCE_DISTRIBUTED unset, the worker runs alone. Returns the
-    first non-zero exit code (or 128 + signal when bpslaunch was stopped), else 0.
+    first non-zero exit code (or 128 + signal when bpslaunch was stopped), else 0. An elastic
+    job (``elastic`` flags, or BPS_GOSSIP_ELASTIC=1) restarts failed workers instead of
+    stopping (see :mod:`bps_gossip.launch_elastic`).
     """
+    elastic = elastic or ElasticOptions()
     if num_proc < 1:
         raise ConfigError(f"-np {num_proc}: the number of workers must be >= 1")
     if num_servers < 1:
         raise ConfigError(f"--num-servers {num_servers}: the number of servers must be >= 1")
     base = {k: v for k, v in (os.environ if base_env is None else base_env).items()
             if k not in _LOCAL_OVERRIDES}
+    elastic.check(num_proc)
     _check_command(command, base)
     port = free_port()
     base.update({
         "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": str(num_servers), "BYTEPS_LOCAL_SIZE": str(num_proc),
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port), "DMLC_NODE_HOST": "127.0.0.1",
+        **elastic.env(),
     })
     base.setdefault("PYTHONUNBUFFERED", "1")  # piped Python output would otherwise come in blocks
     workers = [{**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_RANK": str(rank)}
                for rank in range(num_proc)]
-    distributed = any(load_config(env).distributed for env in workers)  # validates every worker
+    configs = [load_config(env) for env in workers]  # validates every worker
+    config = configs[0]
+    check_elastic_env(elastic, config, num_proc)
     services: list[tuple[str, str]] = []
-    if distributed:
+    if any(c.distributed for c in configs):
         services = [("scheduler", "scheduler")] + [("server", f"server{i}") for i in range(num_servers)]
     for role, _ in services:
         load_config({**base, "DMLC_ROLE": role})
@@ -278,11 +301,29 @@ def run_local(num_proc: int, num_servers: int, command: list[str],
             for role, label in services:
                 sup.start([sys.executable, "-m", f"bps_gossip.{role}"], {**base, "DMLC_ROLE": role},
                           role, label, f"[{label}] ")
-            for rank, env in enumerate(workers):
-                sup.start(command, env, "worker", f"worker {rank}", f"[{rank}] ")
-            return sup.wait(fail_fast=True)
+            first = {rank: sup.start(command, env, "worker", f"worker {rank}", f"[{rank}] ")
+                     for rank, env in enumerate(workers)}
+            if not config.elastic:
+                return sup.wait(fail_fast=True)
+            sup.note(f"elastic job; add a worker with: {join_command(port, command)}")
+            # A replacement keeps its slot's BYTEPS_LOCAL_RANK: it joins the running job at the next
+            # commit (ranks come from the scheduler), or fills the slot if the job has not started.
+            return ElasticRun(sup, first, command, lambda slot: workers[slot], elastic.reset_limit,
+                              restart_delay(config)).run()
     finally:
         shm.sweep(str(port))  # segments of killed workers (their resource trackers died too)
+
+
+def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """``bpslaunch --join``: one worker process that joins the running elastic job at ``root``
+    (HOST:PORT, default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT). Returns its exit code."""
+    child_env = join_env(root, os.environ if env is None else env)
+    _check_command(command, child_env)
+    print(f"bpslaunch: joining the elastic job at {child_env.get('DMLC_PS_ROOT_URI', '127.0.0.1')}:"
+          f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit)", file=sys.stderr, flush=True)
+    with Supervisor() as sup:
+        sup.start(command, child_env, "worker", "worker", None)
+        return sup.wait(fail_fast=False)
 
 
 def run_byteps(command: list[str], env: Mapping[str, str] | None = None) -> int:
@@ -323,20 +364,43 @@ def build_parser() -> argparse.ArgumentParser:
   DMLC_ROLE=scheduler bpslaunch                  BytePS mode, one role per command
   DMLC_ROLE=server bpslaunch
   DMLC_ROLE=worker DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=2 bpslaunch python train.py
+  bpslaunch -np 4 --min-np 2 --max-np 6 --reset-limit 3 python train.py   elastic, local
+  bpslaunch --join --root 127.0.0.1:9000 python train.py                  one more worker
 
 BytePS mode reads DMLC_ROLE (worker, server or scheduler), DMLC_NUM_WORKER (worker
 machines), BYTEPS_LOCAL_SIZE (worker processes per machine), DMLC_WORKER_ID (this
 machine's index), DMLC_NUM_SERVER, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT (the
 scheduler's address). A bad or missing variable is an error (exit status 2).
 
+Elastic local jobs (--min-np/--max-np) restart a failed worker (its output is prefixed
+[wK], K counting worker processes) until --reset-limit restarts are used (default: no
+limit); workers joining with --join are admitted at the next commit. The job fails when
+fewer than --min-np workers remain for longer than --elastic-timeout seconds.
+
 Exit status: the first non-zero exit code of a worker (128+N for signal N), 0 when
-every worker succeeded, 2 for a bad environment or command line.""",
+every worker succeeded, 2 for a bad environment or command line. Elastic: 0 when every
+slot's last worker exited 0, else the failed worker's code or the scheduler's (1).""",
     )
     parser.add_argument("-np", "--num-proc", type=int, metavar="N",
                         help="local mode: run N worker processes on this machine, plus a scheduler "
                              "and servers (none when N is 1, unless BYTEPS_FORCE_DISTRIBUTED=1)")
     parser.add_argument("--num-servers", type=int, metavar="S",
                         help="local mode: the number of servers (default 1)")
+    elastic = parser.add_argument_group("elastic jobs (local mode)")
+    elastic.add_argument("--min-np", type=int, metavar="A",
+                         help="elastic: the job fails when fewer than A workers remain for longer than "
+                              "the elastic timeout (default 1)")
+    elastic.add_argument("--max-np", type=int, metavar="B",
+                         help="elastic: refuse workers that would make more than B (default: no limit)")
+    elastic.add_argument("--reset-limit", type=int, metavar="R",
+                         help="elastic: restart failed workers at most R times in all (default: no limit)")
+    elastic.add_argument("--elastic-timeout", type=float, metavar="SECONDS",
+                         help="elastic: how long the job may stay below --min-np (BPS_GOSSIP_ELASTIC_TIMEOUT, "
+                              "default 60)")
+    elastic.add_argument("--join", action="store_true",
+                         help="run one worker process that joins a running elastic job")
+    elastic.add_argument("--root", metavar="HOST:PORT",
+                         help="with --join: the job's scheduler (default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND...",
                         help="the worker command and its arguments (options after it are its own); "
                              "'--' may separate it from bpslaunch's options")
@@ -348,12 +412,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    elastic = ElasticOptions(args.min_np, args.max_np, args.reset_limit, args.elastic_timeout)
     try:
+        if args.join:
+            if args.num_proc is not None or args.num_servers is not None or elastic != ElasticOptions():
+                raise ConfigError("--join runs one worker of a running job: -np, --num-servers and the "
+                                  "other elastic flags belong to the job's own bpslaunch")
+            return run_join(args.root, command)
+        if args.root is not None:
+            raise ConfigError("--root needs --join")
         if args.num_proc is None:
             if args.num_servers is not None:
                 raise ConfigError("--num-servers needs -np; in BytePS mode set DMLC_NUM_SERVER")
+            if elastic != ElasticOptions():
+                raise ConfigError("--min-np, --max-np, --reset-limit and --elastic-timeout need -np; in "
+                                  "BytePS mode set BPS_GOSSIP_ELASTIC, BPS_GOSSIP_MIN_WORKERS, ...")
             return run_byteps(command)
-        return run_local(args.num_proc, 1 if args.num_servers is None else args.num_servers, command)
+        return run_local(args.num_proc, 1 if args.num_servers is None else args.num_servers, command,
+                         elastic=elastic)
     except ConfigError as exc:
         print(f"bpslaunch: {exc}", file=sys.stderr)
         return 2

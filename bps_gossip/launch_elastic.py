@@ -1,0 +1,253 @@
+"""Elastic jobs in bpslaunch: the flags, the restart of crashed workers, and ``--join``.
+
+Local mode with ``--min-np``/``--max-np`` (or BPS_GOSSIP_ELASTIC=1) does not stop the job
+when a worker fails: it starts a replacement process for the same slot (same
+BYTEPS_LOCAL_RANK), which joins the running job at its next commit, until ``--reset-limit``
+restarts have been used. Whether the job can go on with fewer workers is the scheduler's
+call (BPS_GOSSIP_MIN_WORKERS, BPS_GOSSIP_ELASTIC_TIMEOUT); when it fails the job, bpslaunch
+quotes its reason and stops everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from .config import Config, load_config
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # the launcher imports this module; the types only matter to checkers
+    from .launcher import Supervisor, _Child
+
+SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
+_POLL_SECONDS = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOptions:
+    """The elastic flags of local mode; None means 'not given'."""
+
+    min_np: int | None = None
+    max_np: int | None = None
+    reset_limit: int | None = None  # None: no limit (Horovod's default)
+    timeout: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        """True when a flag makes the job elastic (--min-np or --max-np)."""
+        return self.min_np is not None or self.max_np is not None
+
+    def check(self, num_proc: int) -> None:
+        """Raise ConfigError unless 1 <= min-np <= np <= max-np and the rest makes sense."""
+        if self.min_np is not None and not 1 <= self.min_np <= num_proc:
+            raise ConfigError(f"--min-np {self.min_np}: must be between 1 and -np {num_proc}")
+        if self.max_np is not None and self.max_np < num_proc:
+            raise ConfigError(f"--max-np {self.max_np}: must be at least -np {num_proc}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ConfigError(f"--reset-limit {self.reset_limit}: must be >= 0")
+        if self.timeout is not None and not 0 < self.timeout < float("inf"):
+            raise ConfigError(f"--elastic-timeout {self.timeout}: must be a positive number of seconds")
+
+    def env(self) -> dict[str, str]:
+        """The variables these flags set for every process of the job."""
+        env = {"BPS_GOSSIP_ELASTIC": "1"} if self.requested else {}
+        if self.min_np is not None:
+            env["BPS_GOSSIP_MIN_WORKERS"] = str(self.min_np)
+        if self.max_np is not None:
+            env["BPS_GOSSIP_MAX_WORKERS"] = str(self.max_np)
+        if self.timeout is not None:
+            env["BPS_GOSSIP_ELASTIC_TIMEOUT"] = repr(self.timeout)
+        return env
+
+
+def check_elastic_env(options: ElasticOptions, config: Config, num_proc: int) -> None:
+    """The flags that need an elastic job need one; BPS_GOSSIP_MIN_WORKERS must fit -np."""
+    if not config.elastic:
+        if options.reset_limit is not None or options.timeout is not None:
+            flag = "--reset-limit" if options.reset_limit is not None else "--elastic-timeout"
+            raise ConfigError(f"{flag} needs an elastic job: give --min-np and/or --max-np")
+        return
+    if config.min_workers > num_proc:
+        raise ConfigError(f"BPS_GOSSIP_MIN_WORKERS={config.min_workers} exceeds -np {num_proc}")
+
+
+def describe_exit(code: int) -> str:
+    """'code 3', or 'code 137 (killed by SIGKILL)'."""
+    if code > 128:
+        try:
+            return f"code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+def join_command(port: int, command: list[str]) -> str:
+    """The command line that adds one more worker to the local job on ``port``."""
+    return shlex.join(["bpslaunch", "--join", "--root", f"127.0.0.1:{port}", *command])
+
+
+def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a ``bpslaunch --join`` worker: an elastic worker of the job at ``root``.
+
+    Its rank comes from the running job, so DMLC_WORKER_ID and BYTEPS_LOCAL_RANK are dropped.
+    """
+    out = {k: v for k, v in env.items() if k not in ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK")}
+    out.update({"DMLC_ROLE": "worker", "BPS_GOSSIP_ELASTIC": "1", "BYTEPS_LOCAL_SIZE": "1"})
+    if root is not None:
+        host, sep, port = root.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"--root {root!r}: expected HOST:PORT, e.g. 127.0.0.1:9000")
+        out.update({"DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": port})
+    elif not out.get("DMLC_PS_ROOT_PORT"):
+        raise ConfigError("--join needs the job's scheduler: --root HOST:PORT, or DMLC_PS_ROOT_URI "
+                          "and DMLC_PS_ROOT_PORT in the environment")
+    load_config(out)  # a bad variable is an error before anything starts
+    return out
+
+
+class ElasticRun:
+    """Supervise the workers of an elastic local job: restart the failed, stop on job failure.
+
+    ``sup`` is the launcher's Supervisor, with the scheduler, servers and the first workers
+    started; ``workers`` maps each slot (0..N-1) to its first process; ``slot_env(slot)``
+    gives a replacement's environment.
+    """
+
+    def __init__(self, sup: Supervisor, workers: dict[int, _Child], command: list[str],
+                 slot_env: Callable[[int], Mapping[str, str]], reset_limit: int | None,
+                 restart_delay: float) -> None:
+        self.sup = sup
+        self.current = dict(workers)  # slot -> its latest process
+        self.command = command
+        self.slot_env = slot_env
+        self.reset_limit = reset_limit
+        self.restart_delay = max(SETTLE_SECONDS, restart_delay)
+        self.restarts = 0
+        self.given_up: set[int] = set()  # slots whose failure the ended job no longer needs restarted
+        self.pending: list[tuple[int, _Child, float]] = []  # (slot, failed child, when) to act on
+        self.scheduler = next((c for c in sup.children if c.role == "scheduler"), None)
+        self.first_error = 0
+
+    def _slot_of(self, child: _Child) -> int | None:
+        return next((slot for slot, c in self.current.items() if c is child), None)
+
+    def run(self) -> int:
+        """Wait until every slot's latest worker exited 0 (then 0), or the job fails."""
+        sup = self.sup
+        while True:
+            if sup.signals:
+                return self._stopped()
+            for child in sup.reap():
+                code = self._on_exit(child)
+                if code is not None:
+                    return code
+            code = self._act_on_failures()
+            if code is not None:
+                return code
+            if not self.pending and all(c.code == 0 or s in self.given_up for s, c in self.current.items()):
+                break
+            time.sleep(_POLL_SECONDS)
+        return self._wait_scheduler()
+
+    def _on_exit(self, child: _Child) -> int | None:
+        """Note one child's exit; return an exit status when it ends the job."""
+        code = child.code
+        if child is self.scheduler:
+            if code != 0:
+                return self._fail(f"the scheduler failed the job ({describe_exit(code)}): {self._reason()}", code)
+            return None
+        if child.role != "worker":
+            if code != 0:  # a lost server opens a new generation; the scheduler decides what follows
+                self._note(f"{child.label} exited with {describe_exit(code)}")
+            return None
+        slot = self._slot_of(child)
+        if code != 0 and slot is not None:
+            self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)}")
+            # Decided later: if this is the scheduler failing the job, its reason is the one to report.
+            self.pending.append((slot, child, time.monotonic()))
+        return None
+
+    def _act_on_failures(self) -> int | None:
+        """Restart (or give up on) the failed workers whose delay has passed."""
+        now = time.monotonic()
+        due = [p for p in self.pending if now - p[2] >= self.restart_delay]
+        for item in due:
+            self.pending.remove(item)
+            slot, child, _ = item
+            if self.scheduler is not None and self.scheduler.code is not None:
+                # The job ended without it (the scheduler exits once every worker has left).
+                self._note(f"{child.label} is not restarted: the job has ended")
+                self.given_up.add(slot)
+                continue
+            if self.reset_limit is not None and self.restarts >= self.reset_limit:
+                return self._fail(f"{child.label} exited with {describe_exit(child.code)} "
+                                  f"and the reset limit is reached ({self.restarts} of --reset-limit "
+                                  f"{self.reset_limit} restarts used); stopping the job", child.code)
+            self.restarts += 1
+            label = f"w{len([c for c in self.sup.children if c.role == 'worker'])}"
+            limit = "no limit" if self.reset_limit is None else f"--reset-limit {self.reset_limit}"
+            self._note(f"starting worker {label} in place of {child.label} "
+                       f"(restart {self.restarts}, {limit}); it joins at the job's next commit")
+            self.current[slot] = self.sup.start(self.command, self.slot_env(slot), "worker",
+                                                f"worker {label}", f"[{label}] ")
+        return None
+
+    def _wait_scheduler(self) -> int:
+        """Every local worker is done: the scheduler exits once every worker (also those that
+        joined with --join) has left; then the servers get a bounded time."""
+        sup = self.sup
+        noted = False
+        started = time.monotonic()
+        while self.scheduler is not None and self.scheduler.proc.poll() is None:
+            if sup.signals:
+                return self._stopped()
+            if not noted and time.monotonic() - started > 5.0:
+                self._note("every local worker has finished; waiting for the scheduler "
+                           "(workers that joined with --join may still be running)")
+                noted = True
+            time.sleep(_POLL_SECONDS)
+        sup.reap()
+        if self.scheduler is not None and self.scheduler.code != 0:
+            code = self.scheduler.code
+            return self._fail(f"the scheduler failed the job ({describe_exit(code)}): {self._reason()}", code)
+        sup.wait_services()
+        if sup.signals:
+            return self._stopped()
+        return 0
+
+    def _reason(self) -> str:
+        """The scheduler's own words: its 'the job failed' line, else its last line."""
+        if self.scheduler is None:
+            return "no scheduler"
+        for pump in self.scheduler.pumps:
+            pump.join(timeout=1.0)  # the output it printed before exiting
+        lines = list(self.scheduler.tail)
+        for line in reversed(lines):
+            if "the job failed" in line:
+                return line.split("the job failed: ", 1)[-1]
+        return lines[-1] if lines else "no message"
+
+    def _fail(self, message: str, code: int) -> int:
+        self._note(message)
+        self.sup.stop(signal.SIGTERM)
+        return code or 1
+
+    def _stopped(self) -> int:
+        sig = self.sup.signals[0]
+        self._note(f"got {signal.Signals(sig).name}; stopping every process")
+        self.sup.stop(sig)
+        return 128 + sig
+
+    def _note(self, message: str) -> None:
+        self.sup.note(message)
+
+
+def restart_delay(config: Config) -> float:
+    """How long after a crash its replacement starts: once the scheduler has declared the dead
+    worker lost, so that the replacement never counts twice against --max-np."""
+    return config.heartbeat_timeout + min(0.5, config.heartbeat_interval) + 0.2
