@@ -12,6 +12,7 @@ Importing it also registers the 'bpsgossip' KVStore type.
 import bps_gossip as _core
 from bps_gossip import init, local_rank, local_size, rank, size
 
+from . import overlap as _overlap
 from .gossip_mode import flush_all as _flush_gossip
 from .kvstore import BpsGossip
 from .ops import broadcast, broadcast_, byteps_declare_tensor, byteps_push_pull
@@ -26,7 +27,10 @@ __all__ = [
 
 
 def shutdown() -> None:
-    """Absorb in-flight gossip of every DistributedTrainer, then leave the job."""
+    """Absorb in-flight gossip of every DistributedTrainer and let push_pulls queued in
+    MXNet's engine finish, then leave the job; raise a kept push_pull error, if any."""
     if _core.is_initialized():
         _flush_gossip()
+        _overlap.drain()
     _core.shutdown()
+    _overlap.raise_pending_error()

@@ -85,6 +85,7 @@ class _Rounds:
         self._done: dict[str, threading.Event] = {}
         self._unclaimed: dict[str, threading.Event] = {}  # round id -> event, until its operator exists
         self._ids = itertools.count()
+        self.used = False  # whether any round was ever started (drain() is free otherwise)
         self._error: BaseException | None = None
 
     def begin(self, name: str) -> str:
@@ -100,6 +101,7 @@ class _Rounds:
         self.raise_error()
         event = threading.Event()
         with self._lock:
+            self.used = True
             self._done[name] = event
             round_id = str(next(self._ids))
             self._unclaimed[round_id] = event
@@ -136,6 +138,19 @@ class _Rounds:
 
 
 _rounds = _Rounds()
+
+
+def drain() -> None:
+    """Wait until every push_pull queued in MXNet's engine has run (call before shutdown).
+
+    A failed one is not raised here: its error is kept for :func:`raise_pending_error`.
+    """
+    if not _rounds.used:
+        return
+    try:
+        mx.nd.waitall()
+    except mx.base.MXNetError:
+        pass
 
 
 def raise_pending_error() -> None:

@@ -10,6 +10,12 @@ steps (forward, backward, trainer.step) after a barrier, ended by ``mx.nd.waital
 samples/s = workers * batch * steps / the slowest rank's time, median over passes.
 The model is 1024-2048-2048-10 (6.3 M parameters, 25 MB of float32 gradients a step).
 
+"ours kvstore" is gluon.Trainer with ``kvstore=mx.kv.create('bpsgossip')`` (it sums, so
+``step`` gets the global batch size). The rows marked "no overlap" run with
+BPS_GOSSIP_OVERLAP_BACKWARD=0: the caller waits for each gradient and copies it through
+host buffers, instead of push_pull running inside MXNet's engine as soon as backward
+has written the gradient. ``--systems`` picks rows by name (MXNet's is always kept).
+
 MXNet's Trainer gets its dist_sync KVStore as an instance (``mx.kv.create('dist_sync')``,
 what ``kvstore='dist_sync'`` creates too) so that the benchmark can use its barrier;
 with one device it updates on the servers (``update_on_kvstore``), MXNet's default.
@@ -44,12 +50,16 @@ from bench_common import (
 )
 
 REFERENCE = "mxnet dist_sync"
+NO_OVERLAP = {"BPS_GOSSIP_OVERLAP_BACKWARD": "0"}  # push_pull waited for and copied by the caller
 SYSTEMS = [
     System("ours allreduce", "bps", mode="allreduce"),
+    System("ours allreduce, no overlap", "bps", env=NO_OVERLAP, mode="allreduce"),
+    System("ours kvstore", "bps", mode="kvstore"),
+    System("ours kvstore, no overlap", "bps", env=NO_OVERLAP, mode="kvstore"),
     System("ours gossip", "bps", mode="gossip"),
     System(REFERENCE, "mxnet", mode="dist_sync"),
 ]
-SYNCHRONOUS = ("allreduce", "dist_sync")  # modes whose ranks must end with identical parameters
+SYNCHRONOUS = ("allreduce", "kvstore", "dist_sync")  # modes whose ranks must end with identical parameters
 LAYERS = (1024, 2048, 2048, 10)
 
 
@@ -102,13 +112,17 @@ class TrainingWorker:
         net.hybridize()
         self.net = net
         self.batch = message["batch"]
+        self.step_batch = self.batch  # what trainer.step gets
         self.data = [(mx.nd.random.normal(shape=(self.batch, LAYERS[0])),
                       mx.nd.random.randint(0, LAYERS[-1], shape=(self.batch,)).astype("float32"))
                      for _ in range(4)]
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
         optimizer = ("sgd", {"learning_rate": 0.01, "momentum": 0.9})
         try:
-            if self.kind == "bps":
+            if self.kind == "bps" and self.mode == "kvstore":
+                self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=mx.kv.create("bpsgossip"))
+                self.step_batch = self.batch * self.size  # a KVStore sums: the global batch size
+            elif self.kind == "bps":
                 self.trainer = self.bps.DistributedTrainer(net.collect_params(), *optimizer, mode=self.mode)
             else:
                 self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=self.kv)
@@ -126,7 +140,7 @@ class TrainingWorker:
             with self.mx.autograd.record():
                 loss = self.loss_fn(self.net(x), y)
             loss.backward()
-            self.trainer.step(self.batch)
+            self.trainer.step(self.step_batch)
             self.steps_done += 1
         self.mx.nd.waitall()  # MXNet is asynchronous: a step is done when its results exist
         return float(loss.mean().asscalar()) if loss is not None else math.nan
@@ -176,7 +190,7 @@ def check_consistent(group: WorkerGroup) -> dict[str, Any]:
 def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict[str, Any]:
     """Every system on one cluster configuration, interleaved pass by pass."""
     argv = [sys.executable, str(Path(__file__).resolve())]
-    groups = start_groups(job, SYSTEMS, shape, argv)
+    groups = start_groups(job, args.systems, shape, argv)
     results: dict[str, Any] = {}
     try:
         live = []
@@ -222,6 +236,8 @@ def format_results(records: list[dict[str, Any]]) -> str:
     for rec in records:
         ref = rec["systems"].get(REFERENCE, {})
         for system in SYSTEMS:
+            if system.name not in rec["systems"]:
+                continue  # not selected with --systems
             entry = rec["systems"].get(system.name, {})
             if "samples_per_s" not in entry:
                 rows.append([rec["config"], system.name, *["n/a"] * 5])
@@ -242,6 +258,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
     parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps after building the trainer")
+    parser.add_argument("--systems", help="comma-separated substrings of the rows to run, e.g. 'allreduce' "
+                        f"(default: all; {REFERENCE!r} always runs)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
@@ -250,6 +268,9 @@ def parse_args() -> argparse.Namespace:
     args.shapes = parse_configs(args.configs or ("2w1s" if args.quick else "2w1s,4w1s"))
     args.steps = args.steps or (5 if args.quick else 10)
     args.passes = args.passes or (3 if args.quick else 5)
+    wanted = [part.strip() for part in (args.systems or "").split(",") if part.strip()]
+    args.systems = [system for system in SYSTEMS
+                    if system.name == REFERENCE or not wanted or any(w in system.name for w in wanted)]
     return args
 
 

@@ -55,9 +55,18 @@ for kind in ("trainer", "kvstore"):
 # two devices on this worker: local sum first, then one push_pull per parameter
 _, multi = run("trainer", True, ctx=(mx.cpu(0), mx.cpu(1)))
 out["multi_digest"] = digest(multi)
+
+# shutdown right after step(), nothing waited for: the queued push_pulls still finish first
+net = build()
+net.initialize(mx.init.Constant(0.1))
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", OPTIMIZER, mode="allreduce")
+train(net, trainer, X[:, rank], Y[:, rank], B)
+bps.shutdown()
+kind, msg = raises(Exception, weights, net)
+check("weights after shutdown", kind == "none", f"{kind} {msg}")
+out["after_shutdown_digest"] = digest(weights(net)) if kind == "none" else kind
 out["failures"] = failures
 report(out)
-bps.shutdown()
 """
 
 
@@ -75,6 +84,7 @@ def test_overlap_trains_to_the_same_weights(cluster):
             r["reference"] = r[kind + "_reference"]
         assert_same_training(results, kind)
     assert len({r["multi_digest"] for r in results}) == 1
+    assert len({r["after_shutdown_digest"] for r in results}) == 1
     job.wait_servers_exit()
 
 
