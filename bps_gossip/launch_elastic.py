@@ -166,7 +166,12 @@ class ElasticRun:
                 self._note(f"{child.label} exited with {describe_exit(code)}")
             return None
         slot = self._slot_of(child)
-        if code != 0 and slot is not None:
+        if code != 0 and slot is not None and self._job_ended():
+            # Failed after the job ended (say, while saving a checkpoint): nothing to restart it into.
+            self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)} after the job ended")
+            self.given_up.add(slot)
+            self.first_error = self.first_error or code
+        elif code != 0 and slot is not None:
             self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)}")
             # Decided later: if this is the scheduler failing the job, its reason is the one to report.
             self.pending.append((slot, child, time.monotonic()))
@@ -179,8 +184,7 @@ class ElasticRun:
         for item in due:
             self.pending.remove(item)
             slot, child, _ = item
-            if self.scheduler is not None and self.scheduler.code is not None:
-                # The job ended without it (the scheduler exits once every worker has left).
+            if self._job_ended():  # the survivors finished it (the scheduler exits once every worker left)
                 self._note(f"{child.label} is not restarted: the job has ended")
                 self.given_up.add(slot)
                 continue
@@ -196,6 +200,9 @@ class ElasticRun:
             self.current[slot] = self.sup.start(self.command, self.slot_env(slot), "worker",
                                                 f"worker {label}", f"[{label}] ")
         return None
+
+    def _job_ended(self) -> bool:
+        return self.scheduler is not None and self.scheduler.code is not None
 
     def _wait_scheduler(self) -> int:
         """Every local worker is done: the scheduler exits once every worker (also those that
@@ -218,7 +225,7 @@ class ElasticRun:
         sup.wait_services()
         if sup.signals:
             return self._stopped()
-        return 0
+        return self.first_error
 
     def _reason(self) -> str:
         """The scheduler's own words: its 'the job failed' line, else its last line."""
@@ -227,10 +234,11 @@ class ElasticRun:
         for pump in self.scheduler.pumps:
             pump.join(timeout=1.0)  # the output it printed before exiting
         lines = list(self.scheduler.tail)
-        for line in reversed(lines):
-            if "the job failed" in line:
-                return line.split("the job failed: ", 1)[-1]
-        return lines[-1] if lines else "no message"
+        reason = next((line.split("the job failed: ", 1)[-1] for line in reversed(lines) if "the job failed" in line),
+                      lines[-1] if lines else "no message")
+        if "BPS_GOSSIP_MIN_WORKERS" in reason:  # the scheduler speaks in variables; the user gave flags
+            reason += " [set by --min-np and --elastic-timeout]"
+        return reason
 
     def _fail(self, message: str, code: int) -> int:
         self._note(message)

@@ -68,6 +68,31 @@ def test_crashed_worker_is_restarted_and_job_is_exact(job):
     job.assert_nothing_left()
 
 
+CRASH_ONCE = """
+import os, pathlib, runpy, sys
+marker = pathlib.Path(os.environ["CRASH_MARKER"])
+if os.environ["BYTEPS_LOCAL_RANK"] == "1" and not marker.exists():
+    marker.touch()
+    os.kill(os.getpid(), 9)  # before the rendezvous: the replacement takes over the slot
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(40)
+def test_crash_before_rendezvous_is_replaced_in_its_slot(job, tmp_path):
+    marker = tmp_path / "crashed-once"
+    args = ["-np", "2", "--max-np", "2", sys.executable, job.script(CRASH_ONCE), JOB]
+    code, out, err = job.finish(job.start(args, {**JOB_ENV, "CRASH_MARKER": str(marker)}), timeout=30)
+    assert code == 0, out + err
+    assert marker.exists() and "starting worker w2 in place of worker 1" in err, err
+    found = results(out)
+    finals = check_exact(found, size=2)
+    assert sorted(r[4] for r in finals) == [0, 1], out
+    assert not any(r[0] in ("restored", "reset") for values in found.values() for r in values), out  # no change
+    assert any(r[0] == "final" for r in found["w2"]), out
+    job.assert_nothing_left()
+
+
 CRASH = """
 import os, sys, time
 if os.environ["BYTEPS_LOCAL_RANK"] == "1":
