@@ -130,11 +130,12 @@ class Network:
     SIGTERM/SIGINT/SIGHUP once created) kills what runs inside and removes every namespace.
 
     ``mbit``: every link's rate in both directions (0: unlimited); ``slow``: host name ->
-    a different rate for that host's link.
+    a different rate for that host's link; ``sysctls``: per-namespace kernel settings for
+    every host, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}.
     """
 
     def __init__(self, names: Sequence[str], mbit: float, slow: dict[str, float] | None = None,
-                 subnet: str = DEFAULT_SUBNET) -> None:
+                 subnet: str = DEFAULT_SUBNET, sysctls: dict[str, str] | None = None) -> None:
         network = ipaddress.ip_network(subnet)
         if not network.is_private:
             raise NetnsError(f"subnet {subnet} is not a private range")
@@ -151,6 +152,7 @@ class Network:
             name: Host(name, f"{tag}-{name}", str(next(addresses)), (slow or {}).get(name, mbit), f"p{index}")
             for index, name in enumerate(names)
         }
+        self.sysctls = dict(sysctls or {})
         self.created: list[str] = []
         self._previous_handlers: dict[int, object] = {}
 
@@ -182,6 +184,8 @@ class Network:
             run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/{self.prefixlen}", "dev", HOST_IFACE])
             run(["ip", "-n", host.namespace, "link", "set", HOST_IFACE, "up"])
             run(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+            for key, value in self.sysctls.items():  # net.* settings are per namespace
+                run(["ip", "netns", "exec", host.namespace, "sysctl", "-q", "-w", f"{key}={value}"])
             if host.mbit > 0:
                 tbf(host.namespace, HOST_IFACE, host.mbit)  # the host's upload
                 tbf(self.switch, host.switch_port, host.mbit)  # its download

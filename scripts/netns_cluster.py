@@ -92,13 +92,14 @@ def run_job(net: netns.Network, workers: int, servers: int, command: Sequence[st
         return sup.wait(fail_fast=True)
 
 
-def build_network(workers: int, servers: int, mbit: float, slow: Mapping[str, float]) -> netns.Network:
+def build_network(workers: int, servers: int, mbit: float, slow: Mapping[str, float],
+                  sysctls: Mapping[str, str] | None = None) -> netns.Network:
     """Check prerequisites, sweep namespaces of dead earlier runs, build and announce the network."""
     netns.check_prerequisites()
     removed = netns.cleanup_leftovers()
     if removed:
         print(f"netns_cluster: removed namespaces left by dead runs: {', '.join(removed)}", file=sys.stderr)
-    net = netns.Network(host_names(workers, servers), mbit, dict(slow)).create()
+    net = netns.Network(host_names(workers, servers), mbit, dict(slow), sysctls=dict(sysctls or {})).create()
     print("netns_cluster: hosts\n" + net.describe(), file=sys.stderr, flush=True)
     return net
 
@@ -114,6 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="rate of every link in Mbit/s, each direction (0: unlimited; default 1000)")
     parser.add_argument("--slow", action="append", default=[], metavar="HOST=MBIT",
                         help="a different rate for one host's link, e.g. worker3=100 (repeatable)")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a kernel setting in every host namespace, e.g. "
+                             "net.ipv4.tcp_slow_start_after_idle=0 (repeatable)")
     parser.add_argument("--port", type=int, default=SCHEDULER_PORT, help="scheduler port (inside its namespace)")
     parser.add_argument("--time-to-accuracy", action="store_true",
                         help="run the gossip-vs-allreduce experiment instead of a command (options below)")
@@ -130,6 +134,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     args.slow = parse_slow(args.slow)
+    if any("=" not in item for item in args.sysctl):
+        parser.error("--sysctl takes KEY=VALUE")
+    args.sysctl = dict(item.split("=", 1) for item in args.sysctl)
     if args.workers < 1 or args.servers < 1:
         parser.error("--workers and --servers must be >= 1")
     unknown = set(args.slow) - set(host_names(args.workers, args.servers))
@@ -145,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Build the network, run the job (or the experiment), tear everything down."""
     args = parse_args(argv)
     try:
-        net = build_network(args.workers, args.servers, args.mbit, args.slow)
+        net = build_network(args.workers, args.servers, args.mbit, args.slow, args.sysctl)
     except netns.NetnsError as exc:
         print(f"netns_cluster: {exc}", file=sys.stderr)
         return 2

@@ -108,9 +108,10 @@ def experiment(net: netns.Network, args: argparse.Namespace, logdir: Path) -> in
         rows += rows_for(tag, curves["allreduce"], curves["gossip"])
         records.append({mode: dataclasses.asdict(curve) for mode, curve in curves.items()})
     slow = ", ".join(f"{h}={r:g}" for h, r in args.slow.items()) or "none"
+    sysctls = " ".join(f"{k}={v}" for k, v in getattr(args, "sysctl", {}).items()) or "defaults"
     print(f"\ntime to allreduce's final accuracy: {args.workers} workers, {args.servers} server(s), links "
           f"{args.mbit:g} Mbit/s, slow: {slow}; digits MLP hidden={args.hidden}; gossip options: "
-          f"{args.gossip_args or 'defaults'}\n")
+          f"{args.gossip_args or 'defaults'}; sysctls: {sysctls}\n")
     print(format_table(headers, rows), flush=True)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "command"},
