@@ -10,7 +10,7 @@ Importing it also registers the 'bpsgossip' KVStore type.
 """
 
 import bps_gossip as _core
-from bps_gossip import init, local_rank, local_size, rank, size
+from bps_gossip import generation, init, local_rank, local_size, rank, size
 
 from . import overlap as _overlap
 from .gossip_mode import flush_all as _flush_gossip
@@ -22,7 +22,7 @@ from .trainer import DistributedTrainer
 
 __all__ = [
     "BpsGossip", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
-    "byteps_declare_tensor", "byteps_push_pull", "init", "local_rank", "local_size", "rank", "shutdown", "size",
+    "byteps_declare_tensor", "byteps_push_pull", "generation", "init", "local_rank", "local_size", "rank", "shutdown", "size",
 ]
 
 
