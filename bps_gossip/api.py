@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import sys
 import threading
 from typing import Any
 
@@ -72,18 +73,27 @@ def init(config: Config | None = None) -> None:
         else:
             _runtime = _Runtime(config, None, 0, 1, 0, 1, 0)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
 
 
 def shutdown() -> None:
     """Leave the job. Pending operations fail; the scheduler and servers exit once every
     worker has shut down. Safe to call twice."""
+    _leave(crashed=False)
+
+
+def _shutdown_at_exit() -> None:
+    # An uncaught exception is a crash, not a graceful leave: an elastic job rolls back.
+    _leave(crashed=hasattr(sys, "last_value"))
+
+
+def _leave(crashed: bool) -> None:
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
     if runtime is not None and runtime.engine is not None:
-        runtime.engine.stop()
+        runtime.engine.stop(crashed=crashed)
 
 
 def is_initialized() -> bool:

@@ -280,6 +280,10 @@ class Scheduler:
             self._on_commit(uid, msg)
         elif op == "rejoin":
             self._on_rejoin(uid, msg)
+        elif op == "leave" and msg.get("crashed"):
+            self.members.mark(uid, "lost")
+            self._send(uid, {"op": "bye"})
+            self._on_gone(node, "lost", "exited with an uncaught exception")
         elif op == "leave":
             self.members.mark(uid, "left")
             self._send(uid, {"op": "bye"})

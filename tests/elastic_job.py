@@ -2,7 +2,8 @@
 gradients, so that the final parameters tell whether every sample counted exactly once.
 
 Environment: EPOCHS, SAMPLES, BATCH, COMMIT_EVERY, and optionally KILL_RANK/KILL_STEP
-(SIGKILL itself there, in the first generation only), LEAVE_RANK/LEAVE_STEP (leave
+(SIGKILL itself there, in the first generation only), RAISE_RANK/RAISE_STEP (an uncaught
+exception there), LEAVE_RANK/LEAVE_STEP (leave
 gracefully after that step, which must be a commit step), KILL_IN_SYNC_RANK (die inside the first sync of
 generation 2), STEP_SLEEP (seconds per step, so that joiners find the job running).
 Prints RESULT lines: ["commit", [[epoch, index], ...]] for every committed batch,
@@ -32,6 +33,8 @@ KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
 LEAVE_RANK = int(os.environ.get("LEAVE_RANK", "-1"))
 LEAVE_STEP = int(os.environ.get("LEAVE_STEP", "-1"))
+RAISE_RANK = int(os.environ.get("RAISE_RANK", "-1"))
+RAISE_STEP = int(os.environ.get("RAISE_STEP", "-1"))
 KILL_IN_SYNC_RANK = int(os.environ.get("KILL_IN_SYNC_RANK", "-1"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 LR = 0.5
@@ -78,6 +81,8 @@ def main():
                 real = [int(sampler.indices[p]) for p in positions if not sampler.is_padding(p)]
                 if bps.rank() == KILL_RANK and bps.generation() == 1 and state.step == KILL_STEP:
                     os.kill(os.getpid(), 9)
+                if bps.rank() == RAISE_RANK and bps.generation() == 1 and state.step == RAISE_STEP:
+                    raise RuntimeError("a bug in the training code")  # uncaught: a crash, not a leave
                 grad = GRADS[real].sum(axis=0) if real else np.zeros(4)
                 total = bps.push_pull(grad, "grad", average=False)
                 state.x -= LR * total

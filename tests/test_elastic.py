@@ -93,6 +93,19 @@ def test_killed_worker_survivors_finish_exactly(cluster):
 
 
 @pytest.mark.timeout(120)
+def test_uncaught_exception_is_a_crash_not_a_leave(cluster):
+    job = cluster(3, env=ELASTIC_ENV)
+    done = job.wait(start(job, 3, {"RAISE_RANK": "0", "RAISE_STEP": "5", "COMMIT_EVERY": "3"}), timeout=90)
+    crashed = next(f for f in done if f.rank_hint == 0)
+    assert crashed.returncode == 1 and "a bug in the training code" in crashed.stderr, job.dump()
+    check_job(done, job, killed={0}, commit_every=3)
+    for f in done[1:]:
+        assert any(r[0] == "restored" for r in f.results), f"no rollback after a crash:\n{job.dump()}"
+        assert next(r for r in f.results if r[0] == "final")[4] in (0, 1)  # rank 0 went: the oldest survivor leads
+    job.wait_servers_exit()
+
+
+@pytest.mark.timeout(120)
 def test_graceful_leave_no_rollback(cluster):
     job = cluster(3, env=ELASTIC_ENV)
     done = job.wait(start(job, 3, {"LEAVE_RANK": "2", "LEAVE_STEP": "6", "COMMIT_EVERY": "3"}), timeout=90)

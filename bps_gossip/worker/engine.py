@@ -129,6 +129,7 @@ class Engine:
         self._commit_seq = 0
         self._early_peer: list[tuple[dict[str, Any], list[zmq.Frame]]] = []
         self._sockets_changed = False
+        self._crashed = False  # told to the scheduler when leaving: a crash rolls an elastic job back
         self._lost_servers: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index -> when it last sent anything
         self.channel: PeerChannel | None = None
@@ -206,10 +207,11 @@ class Engine:
                 return
             self._fail_item(kind, payload, self._dead)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Leave the job gracefully and stop the engine thread."""
+    def stop(self, timeout: float = 5.0, crashed: bool = False) -> None:
+        """Leave the job (``crashed``: because of an uncaught exception) and stop the engine thread."""
         if not self._running:
             return
+        self._crashed = crashed
         handle = Handle("shutdown")
         self.submit("stop", handle)
         try:
@@ -687,7 +689,7 @@ class Engine:
 
     def _leave(self, handle: Handle) -> None:
         self._fail_everything(NotInitializedError("bps_gossip was shut down while this operation was pending"))
-        send_message(self.sched, {"op": "leave"})
+        send_message(self.sched, {"op": "leave", "crashed": self._crashed})
         # A scheduler that stopped answering will not say bye either: do not wait for it.
         deadline = time.monotonic() + (0.0 if self._sched_silent else min(5.0, self.config.timeout))
         while time.monotonic() < deadline and self.sched.poll(int((deadline - time.monotonic()) * 1000) + 1):
