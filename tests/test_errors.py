@@ -166,7 +166,9 @@ def test_tensor_mismatch_fails_every_rank(cluster, workers, servers):
         sums = [[(workers - 1) * workers / 2] * 2] * 3
         assert out["good"] == sums and out["again"] == 12 * workers, out
     for label, texts in messages.items():
-        assert len(texts) == 1, (label, texts)  # every rank got the same story
+        # Every rank got the same story, up to which server (each sees its own partition's
+        # first pusher, so may pair the odd rank with a different even one) told it.
+        assert len(texts) <= servers, (label, texts)
     job.wait_servers_exit()
 
 

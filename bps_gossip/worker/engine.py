@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import logging
 import math
 import os
 import queue
@@ -34,8 +33,6 @@ from ..config import Config
 from ..errors import (
     BpsGossipError,
     CommTimeoutError,
-    ConfigError,
-    JobFailedError,
     NotInitializedError,
     PeerLostError,
     ProtocolError,
@@ -43,8 +40,9 @@ from ..errors import (
     WorkersChangedError,
 )
 from ..logs import get_logger
-from ..transport import bind_random_port, recv_message, send_message
+from ..transport import recv_message, send_message
 from ..transport.shm import OwnedSegment, SegmentPool, shm_available
+from .generations import Book, GenerationHandling
 from .handle import Handle
 from .peers import PeerChannel
 
@@ -80,21 +78,7 @@ class Operation:
     segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
 
 
-@dataclasses.dataclass
-class Book:
-    """What the scheduler told this worker at rendezvous."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    generation: int
-    servers: list[str]
-    workers: list[dict[str, Any]]
-    restore: bool = False  # elastic: roll back to the last commit (something crashed)
-
-
-class Engine:
+class Engine(GenerationHandling):
     """Owns the worker's sockets on a background thread; see the module docstring."""
 
     def __init__(self, config: Config) -> None:
@@ -245,98 +229,6 @@ class Engine:
             self._dead = self._broken or NotInitializedError("bps_gossip was shut down")
             self._fail_inbox()
 
-    def _register(self) -> None:
-        cfg = self.config
-        self.sched = self.ctx.socket(zmq.DEALER)
-        self.sched.setsockopt(zmq.LINGER, 0)
-        self.sched.setsockopt(zmq.IDENTITY, self.uid)
-        self.sched.connect(cfg.scheduler_address)
-        self.peer = self.ctx.socket(zmq.ROUTER)  # gossip peer channel
-        self.peer.setsockopt(zmq.LINGER, 0)
-        peer_addr = bind_random_port(self.peer, cfg.node_host)
-        send_message(self.sched, {
-            "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(),
-            "worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "local_size": cfg.local_size,
-            "peer_addr": peer_addr, "DMLC_NUM_WORKER": cfg.num_worker, "DMLC_NUM_SERVER": cfg.num_server,
-        })
-        deadline = time.monotonic() + cfg.timeout
-        waited = False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if waited:
-                    raise CommTimeoutError(
-                        f"worker pid {os.getpid()}: the running job at {cfg.scheduler_address} did not admit "
-                        f"this worker within {cfg.elastic_timeout + cfg.timeout:.1f} s (it joins at the next "
-                        "commit: does the training loop call state.commit()?)")
-                raise CommTimeoutError(
-                    f"worker pid {os.getpid()}: no answer from the scheduler at {cfg.scheduler_address} "
-                    f"within {cfg.timeout:.1f} s (check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, and that all "
-                    f"DMLC_NUM_WORKER={cfg.num_worker} x BYTEPS_LOCAL_SIZE workers and "
-                    f"DMLC_NUM_SERVER={cfg.num_server} servers started)"
-                )
-            if not self.sched.poll(int(min(left, cfg.heartbeat_interval) * 1000)):
-                if waited:  # a joiner heart-beats while it waits to be admitted
-                    send_message(self.sched, {"op": "heartbeat"})
-                continue
-            _, msg, _ = recv_message(self.sched, routed=False)
-            if msg["op"] == "refused":
-                raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
-            if msg["op"] == "job_failed":
-                raise JobFailedError(f"the elastic job failed: {msg.get('why')}")
-            if msg["op"] == "wait" and not waited:
-                waited = True
-                deadline = time.monotonic() + cfg.elastic_timeout + cfg.timeout
-                self.log.info("waiting to join the running job: %s", msg.get("why"))
-            if msg["op"] == "book":
-                break
-        self._apply_book(msg)
-
-    def _apply_book(self, msg: dict[str, Any]) -> None:
-        """Take an address book (at init, and in an elastic job at every new generation)."""
-        cfg = self.config
-        book = msg["book"]
-        rank = int(msg["rank"])
-        me = book["workers"][rank]
-        old = self.book
-        self.book = Book(rank=rank, size=len(book["workers"]), local_rank=me["local_rank"],
-                         local_size=me["local_size"], generation=book["generation"],
-                         servers=list(book["servers"]), workers=list(book["workers"]),
-                         restore=bool(msg.get("restore", False)))
-        if old is None or old.servers != self.book.servers:
-            for sock in self.servers:
-                sock.close(linger=0)
-            self.servers = []
-            self.shm_servers = set()
-            for index, addr in enumerate(self.book.servers):
-                if self.segments is not None and addr.rsplit(":", 1)[0] == f"tcp://{cfg.node_host}":
-                    self.shm_servers.add(index)
-                sock = self.ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.IDENTITY, self.uid)
-                # No high-water mark: a full queue would block this thread (no heartbeats, no
-                # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.RCVHWM, 0)
-                sock.connect(addr)
-                self.servers.append(sock)
-            self._sockets_changed = True
-        if self.channel is not None:
-            self.channel.close()
-        self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log,
-                                   self.book.generation)
-        with self._seq_lock:
-            self._seqs.clear()  # every rank numbers each name's rounds from 0 in a new generation
-        self._barrier_seq = 0
-        self._commit_seq = 0
-        self._lost_servers.clear()
-        self._heard.clear()
-        self._stale = None
-        self._last_sched = time.monotonic()
-        early, self._early_peer = self._early_peer, []
-        for peer_msg, frames in early:
-            self._on_peer(peer_msg, frames)
-
     def _close_sockets(self) -> None:
         if self.segments is not None:
             self.segments.close()
@@ -403,14 +295,6 @@ class Engine:
                 self._on_peer(msg, frames)
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 self.log.warning("dropped a malformed peer message: %s", exc)
-
-    def _on_peer(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        generation = int(msg.get("gen", 0))
-        if generation > self.book.generation:  # the sender has its new book already
-            self._early_peer.append((msg, frames))
-        elif generation == self.book.generation:
-            self.channel.on_message(msg, frames)
-        # else: a round of a generation that ended; nobody waits for it
 
     # ------------------------------------------------------------------ inbox
     def _drain_inbox(self) -> None:
@@ -566,66 +450,6 @@ class Engine:
             del self._stats[req]
             handle.set_result(replies)
 
-    def _on_scheduler(self, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-        self._last_sched = time.monotonic()
-        op = msg["op"]
-        if op == "barrier_done":
-            handle = self._barriers.pop(int(msg["seq"]), None)
-            if handle is not None:
-                handle.set_result(None)
-        elif op == "barrier_failed":
-            handle = self._barriers.pop(int(msg["seq"]), None)
-            if handle is not None:
-                handle.set_error(PeerLostError(f"barrier: {msg.get('why')} [on rank {self.book.rank}]"))
-        elif op in ("node_lost", "node_left"):
-            how = "was lost" if op == "node_lost" else "left the job"
-            why = f"{msg.get('role')} rank {msg.get('rank')} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
-            # A graceful leave is normal at the end of a job; only a loss deserves a warning.
-            self.log.log(logging.WARNING if op == "node_lost" else logging.INFO, why)
-            if msg.get("role") == "worker":
-                self.channel.on_worker_gone(int(msg["rank"]), "lost" if op == "node_lost" else "left", why)
-            if msg.get("role") == "server":
-                index = int(msg["rank"])
-                self._lost_servers[index] = why
-                for req, server in list(self._unacked.items()):
-                    if server == index:
-                        del self._unacked[req]
-                nservers = len(self.servers)
-                for pending in list(self._pending):
-                    if any((pending.key + i) % nservers == index for i in range(len(pending.parts))):
-                        self._fail(pending, PeerLostError(f"push_pull {pending.name!r}: {why}"))
-        elif op == "refused":
-            self._fail_everything(PeerLostError(f"the scheduler no longer knows this worker: {msg.get('why')}"))
-        elif op == "changed":
-            self._on_changed(msg)
-        elif op == "book":
-            self._apply_book(msg)
-            if self._rejoin is not None:
-                self._rejoin.set_result(self.book)
-                self._rejoin = None
-        elif op == "commit_done":
-            handle = self._commits.pop(int(msg["seq"]), None)
-            if handle is not None:
-                handle.set_result(bool(msg["changed"]))
-        elif op == "job_failed":
-            self._fail_everything(JobFailedError(f"the elastic job failed: {msg.get('why')} [on rank {self.book.rank}]"))
-            if self._rejoin is not None:
-                self._rejoin.set_error(self._broken)
-                self._rejoin = None
-
-    def _on_changed(self, msg: dict[str, Any]) -> None:
-        """Elastic: the generation ended. Fail what is pending; rejoin when asked (reset())."""
-        generation = int(msg["generation"])
-        if generation <= max(self.book.generation, self._target_gen):
-            return
-        self._target_gen = generation
-        self._stale = WorkersChangedError(
-            f"the job's workers changed (generation {self.book.generation} -> {generation}): {msg.get('why')} "
-            f"[on rank {self.book.rank}]", restore=bool(msg.get("restore", True)))
-        self._fail_pending(self._stale)
-        if self._rejoin is not None:
-            send_message(self.sched, {"op": "rejoin", "generation": generation})
-
     def _server_of(self, op: Operation, req: int) -> int:
         entry = self._reqs.get(req)
         return -1 if entry is None else (op.key + entry[1]) % len(self.servers)
@@ -686,15 +510,3 @@ class Engine:
                 self._fail(op, CommTimeoutError(
                     f"push_pull {op.name!r} on rank {self.book.rank}: no answer from {waiting} "
                     f"within {self._op_timeout():.1f} s (BPS_GOSSIP_TIMEOUT={self.config.timeout})"))
-
-    def _leave(self, handle: Handle) -> None:
-        self._fail_everything(NotInitializedError("bps_gossip was shut down while this operation was pending"))
-        send_message(self.sched, {"op": "leave", "crashed": self._crashed})
-        # A scheduler that stopped answering will not say bye either: do not wait for it.
-        deadline = time.monotonic() + (0.0 if self._sched_silent else min(5.0, self.config.timeout))
-        while time.monotonic() < deadline and self.sched.poll(int((deadline - time.monotonic()) * 1000) + 1):
-            _, msg, _ = recv_message(self.sched, routed=False)
-            if msg["op"] in ("bye", "refused"):
-                break
-        self._running = False
-        handle.set_result(None)
