@@ -123,6 +123,7 @@ class ElasticRun:
                  restart_delay: float) -> None:
         self.sup = sup
         self.current = dict(workers)  # slot -> its latest process
+        self.first_workers = {id(child) for child in workers.values()}
         self.command = command
         self.slot_env = slot_env
         self.reset_limit = reset_limit
@@ -160,12 +161,15 @@ class ElasticRun:
         if child is self.scheduler:
             if code != 0:
                 return self._fail(f"the scheduler failed the job ({describe_exit(code)}): {self._reason()}", code)
+            self._stop_unadmitted()
             return None
         if child.role != "worker":
             if code != 0:  # a lost server opens a new generation; the scheduler decides what follows
                 self._note(f"{child.label} exited with {describe_exit(code)}")
             return None
         slot = self._slot_of(child)
+        if slot in self.given_up:
+            return None  # stopped by us (never admitted) or given up on already
         if code != 0 and slot is not None and self._job_ended():
             # Failed after the job ended (say, while saving a checkpoint): nothing to restart it into.
             self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)} after the job ended")
@@ -200,6 +204,14 @@ class ElasticRun:
             self.current[slot] = self.sup.start(self.command, self.slot_env(slot), "worker",
                                                 f"worker {label}", f"[{label}] ")
         return None
+
+    def _stop_unadmitted(self) -> None:
+        """The scheduler ended the job. A replacement still running may never have been admitted:
+        the scheduler tells such workers the job ended (they exit at once, with an error), so the
+        exit status of replacements from here on does not count. First workers count as usual."""
+        for slot, child in self.current.items():
+            if child.proc.poll() is None and id(child) not in self.first_workers:
+                self.given_up.add(slot)
 
     def _job_ended(self) -> bool:
         return self.scheduler is not None and self.scheduler.code is not None

@@ -195,7 +195,7 @@ class Supervisor:
 
     # -- stopping -------------------------------------------------------------------
     @staticmethod
-    def _signal_group(pgid: int, sig: int) -> bool:
+    def signal_group(pgid: int, sig: int) -> bool:
         """Send ``sig`` to a process group; False when the group is gone."""
         try:
             os.killpg(pgid, sig)
@@ -210,7 +210,7 @@ class Supervisor:
         (at once if bpslaunch gets another stop signal meanwhile)."""
         alive = [c for c in self.children if c.proc.poll() is None]
         for child in alive:
-            self._signal_group(child.proc.pid, sig)
+            self.signal_group(child.proc.pid, sig)
         seen = len(self.signals)
         deadline = time.monotonic() + GRACE_SECONDS
         while (any(c.proc.poll() is None for c in alive) and time.monotonic() < deadline
@@ -218,7 +218,7 @@ class Supervisor:
             time.sleep(_POLL_SECONDS)
         for child in alive:
             if child.proc.poll() is None:
-                self._signal_group(child.proc.pid, signal.SIGKILL)
+                self.signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
         self.reap()
 
@@ -229,15 +229,15 @@ class Supervisor:
             groups = [c.proc.pid for c in self.children]
             for child in self.children:
                 if child.proc.poll() is None:
-                    self._signal_group(child.proc.pid, signal.SIGKILL)
+                    self.signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
-            stragglers = [g for g in groups if self._signal_group(g, signal.SIGTERM)]
+            stragglers = [g for g in groups if self.signal_group(g, signal.SIGTERM)]
             deadline = time.monotonic() + 1.0
             while stragglers and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
-                stragglers = [g for g in stragglers if self._signal_group(g, 0)]
+                stragglers = [g for g in stragglers if self.signal_group(g, 0)]
             for group in stragglers:
-                self._signal_group(group, signal.SIGKILL)
+                self.signal_group(group, signal.SIGKILL)
             for child in self.children:
                 for pump in child.pumps:
                     pump.join(timeout=2.0)

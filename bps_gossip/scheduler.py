@@ -253,6 +253,8 @@ class Scheduler:
 
     def _terminate(self, why: str) -> None:
         self.log.info("terminating: %s", why)
+        for joiner in self.members.workers("joining"):  # waiting to be admitted: tell them, do not let them wait
+            self._send(joiner.uid, {"op": "job_failed", "why": f"the job ended before this worker was admitted ({why})"})
         for server in self.members.servers("alive"):
             self._send(server.uid, {"op": "terminate", "why": why})
         self.running = False
