@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import mxnet as mx
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds to sleep per step (pretend the model is bigger; leaves time to join)")
     parser.add_argument("--report-json", action="store_true", help="print a RESULT line with the outcome")
     args = parser.parse_args(argv)
 
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                     loss = loss_fn(net(data), label)
                 loss.backward()
                 trainer.step(data.shape[0])
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
                 sampler.record_batch(batch_index, args.batch_size)
                 state.step += 1
                 if state.step % args.commit_every == 0:

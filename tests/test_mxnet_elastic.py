@@ -4,6 +4,7 @@ worker SIGKILLed mid-training, in allreduce and in gossip mode."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,20 @@ ELASTIC_ENV = {"BPS_GOSSIP_ELASTIC": "1", "BPS_GOSSIP_MIN_WORKERS": "1", "BPS_GO
                "BPS_GOSSIP_TIMEOUT": "30"}
 
 
-def run_example(job, args: list[str], timeout: float = 150) -> list:
+def start_example(job, args: list[str], count: int, first: int = 0) -> list:
     procs = []
-    for index in range(job.workers):
+    for index in range(first, first + count):
         env = {**job.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index)}
+        if index >= job.workers:  # a joiner: no slot of the initial job
+            del env["DMLC_WORKER_ID"]
         proc = job.spawn([sys.executable, str(EXAMPLE), "--report-json", *args], env, f"digits{index}")
         proc.rank_hint = index
         procs.append(proc)
-    return job.wait(procs, timeout)
+    return procs
+
+
+def run_example(job, args: list[str], timeout: float = 150) -> list:
+    return job.wait(start_example(job, args, job.workers), timeout)
 
 
 @pytest.mark.timeout(200)
@@ -41,4 +48,25 @@ def test_killed_worker_gluon_survivors_agree(cluster, mode):
     assert len({r["step"] for r in results}) == 1 and results[0]["epoch"] == 3
     assert all(r["accuracy"] > 0.85 for r in results), results
     assert all("now 2 workers" in f.stdout for f in survivors), job.dump()
+    job.wait_servers_exit()
+
+
+@pytest.mark.timeout(200)
+def test_gluon_worker_joins_with_current_state(cluster):
+    job = cluster(2, env=ELASTIC_ENV)
+    args = ["--mode", "allreduce", "--epochs", "4", "--commit-every", "4", "--step-sleep", "0.05"]
+    first = start_example(job, args, 2)
+    deadline = time.monotonic() + 60
+    while "epoch 1/4" not in Path(first[0].out_file.name).read_text():  # training is under way
+        assert time.monotonic() < deadline and first[0].poll() is None, job.dump()
+        time.sleep(0.1)
+    done = job.wait(first + start_example(job, args, 1, first=2), 150)
+    for f in done:
+        assert f.returncode == 0, job.dump()
+    results = [f.result for f in done]
+    assert {r["size"] for r in results} == {3}, results
+    assert len({r["fingerprint"] for r in results}) == 1, f"ranks' parameters differ: {results}"
+    assert {r["step"] for r in results} == {results[0]["step"]} and results[0]["epoch"] == 4
+    assert all(r["accuracy"] > 0.85 for r in results), results
+    assert all("now 3 workers" in f.stdout for f in done[:2]), job.dump()  # the joiner starts at 3
     job.wait_servers_exit()
