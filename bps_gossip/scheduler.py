@@ -230,7 +230,12 @@ class Scheduler:
                 self._begin_change(restore=False, why=f"{len(joining)} worker(s) joined")
 
     def _check_elastic(self, now: float) -> None:
-        if self.change is None or now - self.change.since <= self.config.elastic_timeout:
+        if not self.running or self.change is None or now - self.change.since <= self.config.elastic_timeout:
+            return
+        busy = [w for w in self.members.workers("alive") if w.uid not in self.change.ready]
+        if busy and not self.change.restore:
+            # Only graceful leaves so far: workers that have not rejoined are finishing their own
+            # work (a last evaluation, a checkpoint) and will leave or rejoin; nothing is stuck.
             return
         count = len(self.members.workers("alive")) + len(self.members.workers("joining"))
         if count < self.config.min_workers:
