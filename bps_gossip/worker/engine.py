@@ -113,6 +113,7 @@ class Engine(GenerationHandling):
         self._commit_seq = 0
         self._early_peer: list[tuple[dict[str, Any], list[zmq.Frame]]] = []
         self._sockets_changed = False
+        self._stale_grace = 0.0  # graceful change: when pending work of the old generation fails
         self._crashed = False  # told to the scheduler when leaving: a crash rolls an elastic job back
         self._lost_servers: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index -> when it last sent anything
@@ -316,6 +317,7 @@ class Engine(GenerationHandling):
             if kind == "rejoin":
                 self._rejoin = payload
                 if self._stale is not None:
+                    self._fail_pending(self._stale)
                     send_message(self.sched, {"op": "rejoin", "generation": self._target_gen})
                 continue  # else the 'changed' notice is on its way (a server told us first)
             if self._stale is not None:
@@ -471,10 +473,18 @@ class Engine(GenerationHandling):
         self._fail_pending(error)
 
     def _fail_pending(self, error: BpsGossipError) -> None:
+        self._stale_grace = 0.0
         for op in list(self._pending):
             self._fail(op, error)
         self._heap.clear()
         self._unacked.clear()
+        self._reqs.clear()
+        if self.channel is not None:
+            self.channel.fail_all(error)
+        self._fail_control(error)
+
+    def _fail_control(self, error: BpsGossipError) -> None:
+        """Fail the waits the scheduler answers (barriers, commit checks) and stats requests."""
         for handle in self._barriers.values():
             handle.set_error(error)
         self._barriers.clear()
@@ -484,9 +494,6 @@ class Engine(GenerationHandling):
         for handle in self._commits.values():
             handle.set_error(error)
         self._commits.clear()
-        self._reqs.clear()
-        if self.channel is not None:
-            self.channel.fail_all(error)
 
     def _check_deadlines(self, now: float) -> None:
         silent = now - self._last_sched
@@ -496,6 +503,8 @@ class Engine(GenerationHandling):
                 f"the scheduler at {self.config.scheduler_address} stopped answering "
                 f"({silent:.1f} s without a message) [on rank {self.book.rank}]"))
             return
+        if self._stale is not None and self._stale_grace and now > self._stale_grace:
+            self._fail_pending(self._stale)  # what the old generation could still finish has arrived
         self.channel.check_deadlines(now)
         for op in list(self._pending):
             if now > op.deadline:

@@ -29,6 +29,8 @@ from ..transport import bind_random_port, recv_message, send_message
 from .handle import Handle
 from .peers import PeerChannel
 
+CHANGE_GRACE = 1.0  # seconds pending work may still complete after a graceful change
+
 
 @dataclasses.dataclass
 class Book:
@@ -203,7 +205,14 @@ class GenerationHandling:
         self._stale = WorkersChangedError(
             f"the job's workers changed (generation {self.book.generation} -> {generation}): {msg.get('why')} "
             f"[on rank {self.book.rank}]", restore=bool(msg.get("restore", True)))
-        self._fail_pending(self._stale)
+        if self._stale.restore or self._rejoin is not None:
+            self._fail_pending(self._stale)  # a crash: everything rolls back, no need to wait
+        else:
+            # A graceful leave or a join: results that servers and peers sent before they heard
+            # of it are on their way (a worker that left got its result, so ours was sent too).
+            # New work fails at once; pending work gets a moment to complete.
+            self._fail_control(self._stale)
+            self._stale_grace = time.monotonic() + CHANGE_GRACE
         if self._rejoin is not None:
             send_message(self.sched, {"op": "rejoin", "generation": generation})
 
