@@ -6,6 +6,12 @@ handed to the averager (the numerator takes the step), one gossip round runs, an
 de-biased model z = x / w is written back into every device copy, so forward always
 sees z. Non-floating-point parameters are not gossiped (they keep root's value from
 the first-step broadcast).
+
+The displacement is measured from the values the last mix wrote (not from the values
+at the start of the update), so whatever changed a parameter in between counts as
+part of the local step: BatchNorm's running mean and variance (grad_req 'null'),
+which forward passes move, are gossiped with the weights like that, and
+``average_parameters()`` / ``average_every`` average them exactly with the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ParameterGossip:
         self.averager_args = averager_args
         self.averager: GossipAverager | None = None
         self.layout: dict[str, list[tuple[mx.gluon.Parameter, int, int]]] = {}
+        self.written: dict[str, np.ndarray] | None = None  # what the last unpack() wrote (z)
         _live.add(self)
 
     def _build_layout(self) -> None:
@@ -63,6 +70,15 @@ class ParameterGossip:
         args = {**self.averager_args, "graph": self.graph_spec}
         self.averager_args["graph"] = GossipAverager.check_arguments(core.size(), **args)
         self.averager = None
+        self.written = None
+
+    def values_before_update(self) -> dict[str, np.ndarray]:
+        """The parameters as the last mix left them (z), or as they are now before the first.
+
+        Forward passes since then moved only statistics (BatchNorm's running mean and
+        variance): measured from z, their change is part of this step's displacement.
+        """
+        return self.written if self.written is not None else self.pack()
 
     def pack(self) -> dict[str, np.ndarray]:
         """The parameters' current values (first device copy), as flat buffers by dtype."""
@@ -79,6 +95,7 @@ class ParameterGossip:
 
     def unpack(self, buffers: dict[str, np.ndarray]) -> None:
         """Write flat buffers back into every device copy of every parameter."""
+        self.written = buffers
         for key, entries in self.layout.items():
             flat = buffers[key]
             for param, offset, size in entries:

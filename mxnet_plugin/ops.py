@@ -3,7 +3,8 @@
 Each NDArray goes through the core once each way: ``asnumpy()`` waits for MXNet's
 engine and copies into a fresh host buffer that is also the send buffer; the sum
 comes back into that same buffer (in place), and one ``_sync_copyfrom`` puts it
-into the NDArray.
+into the NDArray (after reordering an array that holds a oneDNN layout, see
+``mxnet_plugin.layouts``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 
 import bps_gossip as core
 from bps_gossip.worker.handle import Handle
+
+from .layouts import make_default
 
 
 def _check_tensor(tensor: object, where: str, name: object) -> mx.nd.NDArray:
@@ -38,8 +41,13 @@ def to_host(tensor: mx.nd.NDArray) -> np.ndarray:
 
 
 def to_device(host: np.ndarray, tensor: mx.nd.NDArray) -> None:
-    """Copy ``host`` into ``tensor`` (one copy, through MXNet's engine)."""
+    """Copy ``host`` into ``tensor`` (one copy, through MXNet's engine).
+
+    A tensor that an inference forward left in a oneDNN layout goes back to the default
+    layout first (``mxnet_plugin.layouts``); ``_sync_copyfrom`` cannot write into one.
+    """
     if host.size:
+        make_default(tensor)
         tensor._sync_copyfrom(host)
 
 

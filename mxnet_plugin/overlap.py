@@ -10,7 +10,9 @@ gradient exists, whatever order the caller asks in, and the core's priorities
 (``-index``: first layers first) order whatever is queued at the same time.
 
 The operator reads and writes the NDArray's memory directly (MXNet has granted the
-operator read access to the input and write access to the output while it runs): no
+operator read access to the input and write access to the output while it runs; arrays
+that an inference forward left in a oneDNN layout are reordered before they are
+queued, see ``mxnet_plugin.layouts``): no
 ``asnumpy`` and no copy back. The copies left on the hot path are the transport's:
 into the shared-memory segment (or the ZeroMQ frame) on the way out, and from it into
 the gradient on the way back.
@@ -29,18 +31,17 @@ this off: the caller then waits for each gradient and copies it through host buf
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
 import threading
 
 import mxnet as mx
-import numpy as np
-from mxnet.base import _LIB, check_call
 
 import bps_gossip as core
 from bps_gossip.api import wait_timeout
+
+from .layouts import make_default, raw_view
 
 OP_TYPE = "bps_gossip_push_pull"
 ENV = "BPS_GOSSIP_OVERLAP_BACKWARD"
@@ -56,20 +57,6 @@ def enabled_by_default() -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise core.ConfigError(f"{ENV}={value!r}: use 1 or 0")
-
-
-def host_view(array: mx.nd.NDArray) -> np.ndarray:
-    """A writable numpy view of ``array``'s memory: no wait, no copy.
-
-    Only safe where MXNet's engine has granted access to ``array`` (inside an operator).
-    """
-    if array.size == 0:
-        return np.empty(array.shape, array.dtype)
-    pointer = ctypes.c_void_p()
-    check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
-    dtype = np.dtype(array.dtype)
-    buffer = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(pointer.value)
-    return np.frombuffer(buffer, dtype=dtype).reshape(array.shape)
 
 
 class _Rounds:
@@ -171,8 +158,8 @@ class _PushPull(mx.operator.CustomOp):
     def forward(self, is_train: bool, req: list[str], in_data: list, out_data: list, aux: list) -> None:
         """Sum over workers from the input's memory straight into the output's."""
         try:
-            source = host_view(in_data[0])
-            target = host_view(out_data[0])
+            source = raw_view(in_data[0], f"push_pull({self.tensor!r})")
+            target = raw_view(out_data[0], f"push_pull({self.tensor!r})")
             core.push_pull(source, self.tensor, average=self.average, priority=self.priority, out=target)
         except BaseException as exc:
             _rounds.fail(self.tensor, exc)
@@ -224,6 +211,8 @@ def push_pull_in_engine(sources: list[mx.nd.NDArray], name: str, average: bool =
     Returns at once; readers of ``outs`` wait for the result as for any MXNet operation.
     """
     targets = sources if outs is None else outs
+    for array in sources if outs is None else (*sources, *outs):
+        make_default(array)  # free unless an inference forward left a oneDNN layout (waits then)
     round_id = _rounds.begin(name)
     if len(sources) == 1:
         total = sources[0]

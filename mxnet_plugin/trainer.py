@@ -130,7 +130,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         if self._gossip is None:
             super()._update(ignore_stale_grad)
             return
-        before = self._gossip.pack()
+        before = self._gossip.values_before_update()
         super()._update(ignore_stale_grad)
         self._gossip.after_update(before)
         self.num_steps += 1

@@ -1,0 +1,82 @@
+"""oneDNN (MKLDNN) memory layouts: reading and writing NDArrays that hold one.
+
+MXNet 1.9's CPU build runs convolutions with oneDNN. An inference forward (outside
+``autograd.record()``) stores each convolution weight in oneDNN's blocked layout
+inside the NDArray itself, and arrays like that cannot be seen as a plain buffer:
+``_sync_copyfrom`` and any raw pointer fail with "We can't generate TBlob for MKLDNN
+data" (reading through ``asnumpy()`` works; it reorders into its copy). Training
+forwards and backward leave weights and gradients in the default layout.
+
+So before the plugin writes into an array, or takes a raw view of its memory, the
+array is brought back to the default layout in place (:func:`make_default`). That
+costs nothing when the layout is already the default (one C call, ~1 us); otherwise
+it waits for the array and reorders it once, as MXNet itself does before saving it.
+The next inference forward reorders the weight again, as it would anyway.
+
+Inside MXNet's engine (a custom operator) an array cannot be reordered: that would
+wait for the operator itself. :func:`raw_view` there only checks, without waiting,
+and raises :class:`OneDNNLayoutError` instead of reading blocked memory as if it were
+plain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mxnet as mx
+import numpy as np
+from mxnet.base import _LIB, check_call
+
+import bps_gossip as core
+
+
+class OneDNNLayoutError(core.BpsGossipError):
+    """An array holds a oneDNN layout where it cannot be reordered (inside MXNet's engine)."""
+
+
+def make_default(array: mx.nd.NDArray) -> None:
+    """Bring ``array`` to MXNet's default layout in place if it holds a oneDNN one.
+
+    Must not be called from inside an MXNet operator. Free when the layout is the
+    default already; otherwise waits for pending writes to ``array`` and reorders it.
+    """
+    if array.size:
+        pointer = ctypes.c_void_p()
+        # MXNDArrayGetData reorders a oneDNN array to the default layout (and waits for it).
+        check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
+
+
+def holds_onednn_layout(array: mx.nd.NDArray) -> bool:
+    """Whether ``array`` holds a oneDNN layout right now (never waits, never reorders)."""
+    if not array.size:
+        return False
+    managed = ctypes.c_void_p()
+    try:
+        # ToDLPack needs a plain buffer: it refuses oneDNN arrays instead of converting them.
+        check_call(_LIB.MXNDArrayToDLPack(array.handle, ctypes.byref(managed)))
+    except mx.base.MXNetError as exc:
+        if "MKLDNN" in str(exc):
+            return True
+        raise
+    check_call(_LIB.MXNDArrayCallDLPackDeleter(managed))
+    return False
+
+
+def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
+    """A writable numpy view of ``array``'s memory: no wait, no copy.
+
+    Only safe where MXNet's engine has granted access to ``array`` (inside an operator).
+    Raises :class:`OneDNNLayoutError` naming ``what`` if the memory is in a oneDNN layout.
+    """
+    if array.size == 0:
+        return np.empty(array.shape, array.dtype)
+    if holds_onednn_layout(array):
+        raise OneDNNLayoutError(
+            f"{what}: the array holds a oneDNN (MKLDNN) layout inside MXNet's engine, where it cannot be "
+            "reordered; an inference forward made it so after this push_pull was queued. Wait for the "
+            "forward (mx.nd.waitall()) before queueing, or set BPS_GOSSIP_OVERLAP_BACKWARD=0")
+    pointer = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
+    dtype = np.dtype(array.dtype)
+    buffer = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(pointer.value)
+    return np.frombuffer(buffer, dtype=dtype).reshape(array.shape)
