@@ -328,7 +328,34 @@ class PeerLink:
     def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Send ``arrays`` to worker ``dst``; do not modify them afterwards."""
         assert self._engine is not None, "no peers in a one-worker job"
-        self._engine.submit("peer_send", (dst, header, arrays))
+        self._engine.submit("peer_send", (dst, header, arrays, None))
+
+    def is_local(self, dst: int) -> bool:
+        """Whether worker ``dst`` shares this host's memory (send_scaled then copies once)."""
+        channel = self._engine.channel if self._engine is not None else None
+        return channel is not None and channel.is_local(dst)
+
+    def send_scaled(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray], scale: float) -> None:
+        """Send ``scale * array`` for each array to worker ``dst``, which must be local
+        (:meth:`is_local`): written straight into a shared-memory segment, one pass each."""
+        offsets, total = [], 0
+        for array in arrays:
+            offsets.append(total)
+            total += -(-array.nbytes // 64) * 64
+        key = f"peer.{header.get('tag')}.{dst}"
+        segment = self._engine.segments.acquire(key, total)
+        views = []
+        for array, offset in zip(arrays, offsets, strict=True):
+            view = segment.view(array.dtype, array.size, offset)
+            np.multiply(array.reshape(-1), array.dtype.type(scale), out=view)
+            views.append(view)
+        self._engine.submit("peer_send", (dst, header, views, (key, segment, offsets)))
+
+    def consumed(self, received: dict[int, tuple[dict[str, Any], list[np.ndarray]]]) -> None:
+        """The arrays of ``received`` (an expect() result) were read: let senders reuse their memory."""
+        for src, (header, _) in received.items():
+            if "shm" in header:
+                self._engine.submit("peer_ack", (src, header["shm"]))
 
     def expect(self, tag: str, rnd: int, sources: list[int]) -> Handle:
         """A handle that completes with {source: (header, arrays)} once every source sent (tag, rnd)."""

@@ -25,7 +25,7 @@ import numpy as np
 import bps_gossip as core
 from bps_gossip.gossip.averager import GossipAverager
 
-from .ops import to_device, to_host
+from .ops import copy_to_host, to_device
 
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
 
@@ -80,16 +80,19 @@ class ParameterGossip:
         """
         return self.written if self.written is not None else self.pack()
 
-    def pack(self) -> dict[str, np.ndarray]:
-        """The parameters' current values (first device copy), as flat buffers by dtype."""
+    def pack(self, into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The parameters' current values (first device copy), as flat buffers by dtype
+        (new ones, or ``into``'s): one copy each, straight from MXNet."""
         if not self.layout:
             self._build_layout()
         buffers = {}
         for key, entries in self.layout.items():
-            total = sum(size for _, _, size in entries)
-            flat = np.empty(total, dtype=np.dtype(key))
+            if into is not None:
+                flat = into[key]
+            else:
+                flat = np.empty(sum(size for _, _, size in entries), dtype=np.dtype(key))
             for param, offset, size in entries:
-                flat[offset:offset + size] = to_host(param.list_data()[0]).reshape(-1)
+                copy_to_host(param.list_data()[0], flat[offset:offset + size])
             buffers[key] = flat
         return buffers
 
@@ -104,25 +107,32 @@ class ParameterGossip:
                     to_device(value, copy)
 
     def after_update(self, before: dict[str, np.ndarray]) -> None:
-        """The optimizer moved the parameters from ``before``: gossip, then write z back."""
+        """The optimizer moved the parameters from ``before``: gossip, then write z back.
+
+        When the last mix wrote x itself (w = 1, nothing in flight), ``before`` is x and
+        the update is x <- the new values: they are copied straight into x.
+        """
         if self.averager is None:
             self.averager = GossipAverager(before, tag=self.tag, **self.averager_args)
-        self.averager.apply_update(before, self.pack())
+        if before is self.averager.x:
+            self.pack(into=self.averager.x)
+        else:
+            self.averager.apply_update(before, self.pack())
         self.averager.step()
-        self.unpack(self.averager.debiased())
+        self.unpack(self.averager.model())
 
     def flush(self) -> None:
         """Absorb every open gossip round and write z back."""
         if self.averager is not None and self.averager.open:
             self.averager.flush()
-            self.unpack(self.averager.debiased())
+            self.unpack(self.averager.model())
 
     def average_exactly(self) -> None:
         """Make every rank's parameters the exact average (through the servers)."""
         if self.averager is None:
             self.averager = GossipAverager(self.pack(), tag=self.tag, **self.averager_args)
         self.averager.average_exactly()
-        self.unpack(self.averager.debiased())
+        self.unpack(self.averager.model())
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""

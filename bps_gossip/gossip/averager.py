@@ -66,6 +66,13 @@ class GossipAverager:
             return {key: value.copy() for key, value in self.x.items()}
         return {key: value / value.dtype.type(self.weight) for key, value in self.x.items()}
 
+    def model(self) -> dict[str, np.ndarray]:
+        """z = x / w; x itself (no copy) when w is 1 and no round is open, so a caller that
+        writes it out and does not change it may hand it back as ``before`` for free."""
+        if self.weight == 1.0 and not self.open:
+            return self.x
+        return self.debiased()
+
     def apply_update(self, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> None:
         """The local optimizer moved z from ``before`` to ``after``: move x by the same amount
         (SGP: x <- x - lr * grad(z); the numerator takes the unscaled step)."""

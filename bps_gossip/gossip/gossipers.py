@@ -6,6 +6,10 @@ change; z = x / w is the de-biased model. ``begin`` scales x and w down at once 
 sent mass is in flight), ``absorb`` adds the received mass, so a round can stay open
 while the next step computes (overlap) without breaking the mass balance.
 
+Peers on the same host get the payload through shared memory (``link.send_scaled``:
+one pass writes the scaled share); the receiver reads it in place and acknowledges it
+(``link.consumed``).
+
 PushPull (D-PSGD): send the full x to each neighbour of a symmetric, regular round
 and replace x by the uniform average of itself and its neighbours: doubly stochastic,
 so no weight is needed; x must not change between ``begin`` and ``absorb``.
@@ -57,11 +61,15 @@ class PushSum:
         keys = list(x)
         cache: dict[float, list[np.ndarray]] = {}
         for peer, share in shares.items():
+            header = _wire({"tag": self.tag, "round": rnd, "weight": share * weight if self.track_weight else None},
+                           keys)
+            if self.link.is_local(peer):  # the share is written straight into shared memory
+                self.link.send_scaled(peer, header, [x[k] for k in keys], share)
+                continue
             arrays = cache.get(share)
             if arrays is None:  # uniform mixing: one scaled copy serves every peer
                 arrays = cache[share] = [x[k] * x[k].dtype.type(share) for k in keys]
-            header = {"tag": self.tag, "round": rnd, "weight": share * weight if self.track_weight else None}
-            self.link.send(peer, _wire(header, keys), arrays)
+            self.link.send(peer, header, arrays)
         for key in keys:
             x[key] *= x[key].dtype.type(kept)
         # Untracked (regular graph, closed at once): kept + received weights sum to 1 exactly.
@@ -79,6 +87,7 @@ class PushSum:
                 x[key] += array
             if self.track_weight:
                 weight += float(header["weight"])
+        self.link.consumed(received)
         return weight
 
 
@@ -98,9 +107,15 @@ class PushPull:
         neighbours = self.graph.symmetric_peers(self.link.rank, rnd)
         handle = self.link.expect(self.tag, rnd, neighbours) if neighbours else None
         keys = list(x)
-        arrays = [x[k].copy() for k in keys]  # x is rewritten by absorb while the send may be in flight
+        header = _wire({"tag": self.tag, "round": rnd, "weight": None}, keys)
+        arrays = None
         for peer in neighbours:
-            self.link.send(peer, _wire({"tag": self.tag, "round": rnd, "weight": None}, keys), arrays)
+            if self.link.is_local(peer):
+                self.link.send_scaled(peer, header, [x[k] for k in keys], 1.0)
+                continue
+            if arrays is None:  # x is rewritten by absorb while the send may be in flight
+                arrays = [x[k].copy() for k in keys]
+            self.link.send(peer, header, arrays)
         return PendingRound(rnd, handle, neighbours), weight
 
     def absorb(self, pending: PendingRound, x: Mapping[str, np.ndarray], weight: float,
@@ -114,6 +129,7 @@ class PushPull:
             header, arrays = received[src]
             for key, array in zip(header["keys"], arrays, strict=True):
                 x[key] += array
+        self.link.consumed(received)
         for key in x:
             x[key] *= x[key].dtype.type(scale)
         return weight

@@ -181,7 +181,7 @@ class Engine(GenerationHandling):
         elif kind in ("barrier", "stats", "rejoin", "commit"):
             handle = payload
         else:
-            return  # peer_send: nothing waits for it
+            return  # peer_send, peer_ack: nothing waits for them
         handle.set_error(error)
 
     def _fail_inbox(self) -> None:
@@ -291,6 +291,10 @@ class Engine(GenerationHandling):
                 return
             try:
                 _, msg, frames = recv_message(self.peer, routed=True)
+                if msg["op"] == "gossip_ack":
+                    if int(msg.get("gen", -1)) == self.channel.generation:
+                        self.channel.on_ack(msg)
+                    continue
                 if msg["op"] != "gossip":
                     raise ProtocolError(f"unknown peer op {msg['op']!r}")
                 self._on_peer(msg, frames)
@@ -321,7 +325,7 @@ class Engine(GenerationHandling):
                     send_message(self.sched, {"op": "rejoin", "generation": self._target_gen})
                 continue  # else the 'changed' notice is on its way (a server told us first)
             if self._stale is not None:
-                if kind != "peer_send":
+                if kind not in ("peer_send", "peer_ack"):
                     self._fail_item(kind, payload, self._stale)
                 continue
             if kind == "op":
@@ -331,11 +335,13 @@ class Engine(GenerationHandling):
                 self._barriers[self._barrier_seq] = payload
                 send_message(self.sched, {"op": "barrier", "seq": self._barrier_seq})
             elif kind == "peer_send":
-                dst, header, arrays = payload
+                dst, header, arrays, staged = payload
                 try:
-                    self.channel.send(dst, header, arrays)
+                    self.channel.send(dst, header, arrays, staged)
                 except ValueError as exc:
                     self.log.error("%s", exc)
+            elif kind == "peer_ack":
+                self.channel.ack(*payload)
             elif kind == "peer_expect":
                 tag, rnd, sources, handle = payload
                 self.channel.expect(tag, rnd, sources, handle)

@@ -27,7 +27,7 @@ from ..errors import (
 )
 from ..transport import bind_random_port, recv_message, send_message
 from .handle import Handle
-from .peers import PeerChannel
+from .peers import LEFT_GRACE, PeerChannel
 
 CHANGE_GRACE = 1.0  # seconds pending work may still complete after a graceful change
 
@@ -129,6 +129,7 @@ class GenerationHandling:
             self.channel.close()
         self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log,
                                    self.book.generation)
+        self.channel.pool = self.segments
         with self._seq_lock:
             self._seqs.clear()  # every rank numbers each name's rounds from 0 in a new generation
         self._barrier_seq = 0
@@ -196,6 +197,18 @@ class GenerationHandling:
                 self._rejoin.set_error(self._broken)
                 self._rejoin = None
 
+    def _await_peer_reads(self) -> None:
+        """Before leaving, give peers on this host a moment to read the last gossip we left in
+        shared memory: unlinked before they map it, it would be lost (TCP messages linger)."""
+        deadline = time.monotonic() + LEFT_GRACE
+        while self.channel is not None and self.channel.unread() and not self._sched_silent:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.info("leaving with %d gossip message(s) not read by peers", self.channel.unread())
+                return
+            if self.peer.poll(int(left * 1000) + 1):
+                self._drain_peers()
+
     def _on_changed(self, msg: dict[str, Any]) -> None:
         """Elastic: the generation ended. Fail what is pending; rejoin when asked (reset())."""
         generation = int(msg["generation"])
@@ -217,6 +230,7 @@ class GenerationHandling:
             send_message(self.sched, {"op": "rejoin", "generation": generation})
 
     def _leave(self, handle: Handle) -> None:
+        self._await_peer_reads()
         self._fail_everything(NotInitializedError("bps_gossip was shut down while this operation was pending"))
         send_message(self.sched, {"op": "leave", "crashed": self._crashed})
         # A scheduler that stopped answering will not say bye either: do not wait for it.

@@ -6,6 +6,13 @@ one that arrives before anybody waits for it is kept for its round, so a fast pe
 round t+1 is never mixed into round t. A wait fails with PeerLostError as soon as any
 worker is lost (the job is not elastic), or a peer it needs has left and stayed silent, and with CommTimeoutError,
 naming the ranks that did not send, after BPS_GOSSIP_TIMEOUT.
+
+Peers on the same host exchange payloads through shared memory: the sender writes its
+share into a segment of its own pool (the one copy of the send) and sends only the
+header; the receiver maps the segment and reads it in place (the one read of the
+mix), then acknowledges it (``gossip_ack``) so the sender can reuse the segment.
+A segment that is never acknowledged (a peer that died, a generation that ended) is
+unlinked when the channel closes, never reused.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ import zmq
 
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
+from ..transport.shm import AttachedSegment, OwnedSegment, SegmentPool
 from .handle import Handle
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
+MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
+ALIGN = 64  # byte alignment of each array inside a shared-memory message
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
 
@@ -54,12 +64,51 @@ class PeerChannel:
         self.waits: list[PeerWait] = []
         self.lost: dict[int, str] = {}
         self.left: dict[int, tuple[str, float]] = {}
+        self.pool: SegmentPool | None = None  # set by the engine where shared memory works
+        self.in_flight: dict[str, tuple[int, str, OwnedSegment]] = {}  # segment name -> (dst, pool key, segment)
+        self.attached: dict[str, AttachedSegment] = {}
+
+    def is_local(self, dst: int) -> bool:
+        """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
+        if self.pool is None or not 0 <= dst < len(self.workers):
+            return False
+        mine = str(self.workers[self.rank].get("addr", "")).rsplit(":", 1)[0]
+        return str(self.workers[dst].get("addr", "")).rsplit(":", 1)[0] == mine
 
     # -- sending ------------------------------------------------------------------
-    def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Send ``arrays`` (zero-copy) with ``header`` to worker ``dst``."""
+    def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray],
+             staged: tuple[str, OwnedSegment, list[int]] | None = None) -> None:
+        """Send ``arrays`` (zero-copy) with ``header`` to worker ``dst``; or, with ``staged``
+        (pool key, segment, byte offsets), only the header of arrays already in the segment."""
         if not 0 <= dst < len(self.workers) or dst == self.rank:
             raise ValueError(f"gossip: rank {dst} is not a peer of rank {self.rank} (size {len(self.workers)})")
+        header = {**header, "op": "gossip", "src": self.rank, "gen": self.generation,
+                  "dtypes": [a.dtype.str for a in arrays], "counts": [int(a.size) for a in arrays]}
+        if staged is None:
+            self._send(dst, header, [np.ascontiguousarray(a) for a in arrays])
+            return
+        key, segment, offsets = staged
+        self.in_flight[segment.name] = (dst, key, segment)
+        self._send(dst, {**header, "shm": segment.name, "offsets": offsets}, [])
+
+    def ack(self, dst: int, segment: str) -> None:
+        """Tell worker ``dst`` that its segment ``segment`` was read and may be reused."""
+        if 0 <= dst < len(self.workers) and dst != self.rank:
+            self._send(dst, {"op": "gossip_ack", "src": self.rank, "gen": self.generation, "shm": segment}, [])
+
+    def unread(self) -> int:
+        """How many of our shared-memory messages peers that are still here have not read."""
+        return sum(1 for dst, _, _ in self.in_flight.values() if dst not in self.lost and dst not in self.left)
+
+    def on_ack(self, msg: dict[str, Any]) -> None:
+        """A peer read one of our segments: it goes back to the pool."""
+        entry = self.in_flight.get(str(msg["shm"]))
+        if entry is None or entry[0] != int(msg["src"]):
+            raise ProtocolError(f"gossip_ack for a segment rank {msg.get('src')} was not sent: {msg['shm']!r}")
+        del self.in_flight[str(msg["shm"])]
+        self.pool.release(entry[1], entry[2])
+
+    def _send(self, dst: int, header: dict[str, Any], frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
@@ -67,15 +116,25 @@ class PeerChannel:
             sock.setsockopt(zmq.LINGER, 2000)  # let the last round reach its peers after shutdown
             sock.connect(self.workers[dst]["addr"])
             self.dealers[dst] = sock
-        header = {**header, "op": "gossip", "src": self.rank, "gen": self.generation,
-                  "dtypes": [a.dtype.str for a in arrays], "counts": [int(a.size) for a in arrays]}
-        send_message(sock, header, [np.ascontiguousarray(a) for a in arrays])
+        send_message(sock, header, frames)
 
     # -- receiving ----------------------------------------------------------------
     def on_message(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         """File one incoming message under its (tag, round, source)."""
         tag, rnd, src = str(msg["tag"]), int(msg["round"]), int(msg["src"])
         dtypes, counts = msg["dtypes"], msg["counts"]
+        if "shm" in msg:
+            arrays = self._shared_arrays(src, msg, dtypes, counts)
+        else:
+            arrays = self._frame_arrays(src, frames, dtypes, counts)
+        box = self.inbox.setdefault((tag, rnd), {})
+        if src in box:
+            raise ProtocolError(f"rank {src} sent round {rnd} of {tag!r} twice")
+        box[src] = (msg, arrays)
+        self._complete((tag, rnd))
+
+    @staticmethod
+    def _frame_arrays(src: int, frames: list[zmq.Frame], dtypes: list[Any], counts: list[Any]) -> list[np.ndarray]:
         if len(dtypes) != len(frames) or len(counts) != len(frames):
             raise ProtocolError(f"gossip message from rank {src} announces {len(dtypes)} arrays, carries {len(frames)}")
         arrays = []
@@ -84,11 +143,32 @@ class PeerChannel:
             if dt.kind not in "fiub" or len(frame) != int(count) * dt.itemsize:
                 raise ProtocolError(f"gossip message from rank {src}: {len(frame)} bytes is not {count} x {dt}")
             arrays.append(np.frombuffer(frame.buffer, dtype=dt, count=int(count)))
-        box = self.inbox.setdefault((tag, rnd), {})
-        if src in box:
-            raise ProtocolError(f"rank {src} sent round {rnd} of {tag!r} twice")
-        box[src] = (msg, arrays)
-        self._complete((tag, rnd))
+        return arrays
+
+    def _shared_arrays(self, src: int, msg: dict[str, Any], dtypes: list[Any], counts: list[Any]) -> list[np.ndarray]:
+        """Views of the arrays a peer on this host left in its segment."""
+        if self.pool is None or not self.is_local(src):
+            raise ProtocolError(f"gossip message from rank {src} names a shared-memory segment it cannot share")
+        offsets = msg["offsets"]
+        if not len(dtypes) == len(counts) == len(offsets):
+            raise ProtocolError(f"gossip message from rank {src}: {len(dtypes)} dtypes, {len(counts)} counts, "
+                                f"{len(offsets)} offsets")
+        name = str(msg["shm"])
+        segment = self.attached.get(name)
+        try:
+            if segment is None:
+                if len(self.attached) >= MAX_ATTACHED:
+                    self.attached.pop(next(iter(self.attached))).close()
+                segment = self.attached[name] = AttachedSegment(name)
+            arrays = []
+            for dtype, count, offset in zip(dtypes, counts, offsets, strict=True):
+                dt = np.dtype(dtype)
+                if dt.kind not in "fiub":
+                    raise ValueError(f"dtype {dt} is not gossiped")
+                arrays.append(segment.view(dt, int(count), int(offset)))
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"gossip message from rank {src}: segment {name!r}: {exc}") from None
+        return arrays
 
     def expect(self, tag: str, rnd: int, sources: list[int], handle: Handle) -> None:
         """Complete ``handle`` with {source: (header, arrays)} once every source has sent."""
@@ -151,7 +231,14 @@ class PeerChannel:
             self._fail(wait, error)
 
     def close(self) -> None:
-        """Close the DEALERs (each lingers briefly so its last messages go out)."""
+        """Close the DEALERs (each lingers briefly so its last messages go out); unmap peers'
+        segments; unlink ours that were never acknowledged (they are never reused)."""
         for sock in self.dealers.values():
             sock.close()
         self.dealers.clear()
+        for segment in self.attached.values():
+            segment.close()
+        self.attached.clear()
+        for _, key, segment in self.in_flight.values():
+            self.pool.release(key, segment, reusable=False)
+        self.in_flight.clear()
