@@ -37,8 +37,9 @@ class BenchError(RuntimeError):
 class System:
     """One column of the results: how to start its cluster and what its workers run.
 
-    ``kind`` is 'bps' (our scheduler/servers, workers through mxnet_plugin) or 'mxnet'
-    (ps-lite scheduler/servers started by ``import mxnet``). ``env`` goes to every
+    ``kind`` is 'bps' (our scheduler/servers, workers through mxnet_plugin), 'mxnet'
+    (ps-lite scheduler/servers started by ``import mxnet``) or 'local' (workers only, no
+    communication: the ceiling the others are measured against). ``env`` goes to every
     process of the system, so a variant such as ``BPS_GOSSIP_SHM=0`` is one more line.
     ``mode`` is a free-form worker setting (e.g. the trainer mode).
     """
@@ -208,12 +209,17 @@ class WorkerGroup:
             role_argv = {role: [sys.executable, "-c", "import mxnet"] for role in ("scheduler", "server")}
         elif system.kind == "bps":
             role_argv = {role: [sys.executable, "-m", f"bps_gossip.{role}"] for role in ("scheduler", "server")}
+        elif system.kind == "local":
+            role_argv = {}  # workers that never communicate: no scheduler, no servers
         else:
             raise BenchError(f"unknown system kind {system.kind!r}")
-        tag = f"{shape.label}_{system.name.replace(' ', '_').replace('(', '').replace(')', '')}"
-        self.support = [job.spawn(*self._placed("scheduler", role_argv["scheduler"], common), f"{tag}_scheduler")]
-        self.support += [job.spawn(*self._placed(f"server{i}", role_argv["server"], common), f"{tag}_server{i}")
-                         for i in range(shape.servers)]
+        tag = f"{shape.label}_{system.name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}"
+        self.support = []
+        if role_argv:
+            self.support.append(job.spawn(*self._placed("scheduler", role_argv["scheduler"], common),
+                                          f"{tag}_scheduler"))
+            self.support += [job.spawn(*self._placed(f"server{i}", role_argv["server"], common), f"{tag}_server{i}")
+                             for i in range(shape.servers)]
         self.workers = [
             job.spawn(*self._placed(f"worker{i}", [*worker_argv, "--worker-kind", system.kind,
                                                    "--worker-mode", system.mode], common),
