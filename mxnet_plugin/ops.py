@@ -9,11 +9,8 @@ into the NDArray (after reordering an array that holds a oneDNN layout, see
 
 from __future__ import annotations
 
-import ctypes
-
 import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, check_call
 
 import bps_gossip as core
 from bps_gossip.worker.handle import Handle
@@ -41,16 +38,6 @@ def _require_name(name: object, where: str) -> str:
 def to_host(tensor: mx.nd.NDArray) -> np.ndarray:
     """Wait for ``tensor`` and copy it once into a new host array (the send buffer)."""
     return tensor.asnumpy()
-
-
-def copy_to_host(tensor: mx.nd.NDArray, out: np.ndarray) -> None:
-    """Wait for ``tensor`` and copy it into ``out`` (contiguous, same dtype and size): one
-    copy, no allocation; MXNet reorders a oneDNN layout on the way."""
-    if out.size != tensor.size or out.dtype != np.dtype(tensor.dtype) or not out.flags.c_contiguous:
-        raise ValueError(f"copy_to_host: {out.dtype}[{out.size}] cannot hold {tensor.dtype}{tensor.shape}")
-    if out.size:
-        check_call(_LIB.MXNDArraySyncCopyToCPU(tensor.handle, out.ctypes.data_as(ctypes.c_void_p),
-                                               ctypes.c_size_t(out.size)))
 
 
 def to_device(host: np.ndarray, tensor: mx.nd.NDArray) -> None:

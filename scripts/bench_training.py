@@ -133,13 +133,11 @@ class TrainingWorker:
                                                            overlap=variant == "overlap")
             elif self.kind == "local":
                 self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=None)
-            else:
+            elif message["model"] == "mlp":
                 self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=self.kv)
-                # MXNet's lazy init at the first step races with other ranks' first pushes on
-                # networks with many tensors ("init N first" on the server): init, then line up.
-                self.trainer._init_kvstore()
-                self.trainer._init_params()
-                self.kv._barrier()
+            else:
+                self.trainer = KVStoreGradients(mx, gluon.Trainer(net.collect_params(), *optimizer, kvstore=None),
+                                                self.kv)
         except Exception as exc:
             return {"unavailable": f"{type(exc).__name__}: {exc}"}
         self.steps_done = 0
@@ -170,13 +168,43 @@ class TrainingWorker:
         return {"seconds": seconds, "loss": loss}
 
     def checksum(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Sums of every parameter (float64) and of their squares, to compare ranks."""
+        """Sums of every trained parameter (float64) and of their squares, to compare ranks."""
         import numpy as np
 
         if hasattr(self.trainer, "flush"):
             self.trainer.flush()
-        values = [p.data().asnumpy().astype(np.float64) for p in self.net.collect_params().values()]
+        # Trained parameters only: BatchNorm's running statistics stay each rank's own in
+        # synchronous modes (as in BytePS and MXNet).
+        values = [p.data().asnumpy().astype(np.float64) for p in self.net.collect_params().values()
+                  if p.grad_req != "null"]
         return {"sum": float(sum(v.sum() for v in values)), "sumsq": float(sum((v * v).sum() for v in values))}
+
+
+class KVStoreGradients:
+    """gluon.Trainer's update_on_kvstore=False path by hand: pushpull every gradient through
+    MXNet's dist_sync KVStore (priority -index), then update locally.
+
+    gluon.Trainer(kvstore=dist_sync) itself dies on CNNs here ("init N first" on the server,
+    or ps-lite's "msg.data.size() >= 2"): after an inference forward the convolution weights
+    hold oneDNN layouts, and MXNet's dist KVStore initializes keys from them wrongly (checked:
+    the same init from default-layout copies always works). So keys start from host copies.
+    """
+
+    def __init__(self, mx: Any, trainer: Any, kv: Any) -> None:
+        self.trainer = trainer
+        self.kv = kv
+        self.params = [p for p in trainer._params if p.grad_req != "null"]
+        keys = list(range(len(self.params)))
+        kv.init(keys, [mx.nd.array(p.data().asnumpy()) for p in self.params])
+        kv._barrier()
+        kv.pull(keys, out=[p.data() for p in self.params])  # rank 0's initial values everywhere
+        mx.nd.waitall()
+
+    def step(self, batch_size: int) -> None:
+        """Sum the gradients over workers, then update."""
+        for index, param in enumerate(self.params):
+            self.kv.pushpull(index, param.grad(), out=param.grad(), priority=-index)
+        self.trainer.update(batch_size)
 
 
 def build_model(mx: Any, model: str) -> tuple[Any, tuple[int, ...]]:
