@@ -164,14 +164,16 @@ def _submit(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, send
 
 
 def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
-                    version: int = 0, out: np.ndarray | None = None) -> Handle:
+                    version: int = 0, out: np.ndarray | None = None, layout: str | None = None) -> Handle:
     """Start a push_pull of ``array`` under ``name``; return a handle for ``synchronize``.
 
     Every worker pushes its array; each gets the sum (or the mean with ``average``; for
     integer dtypes the mean is floor-divided). ``out`` receives the result (``out=array``
     works in place); otherwise a new array is made. Do not change ``array`` before the
     handle completes. ``version`` is accepted for BytePS compatibility and not used:
-    rounds are matched by how many times each rank has used the name.
+    rounds are matched by how many times each rank has used the name. ``layout``
+    describes what a flat array is made of (fused tensors): ranks must agree on it too,
+    and a mismatch error shows it.
     """
     runtime = _rt("push_pull")
     check_name(name, "push_pull")
@@ -192,14 +194,15 @@ def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority
         def finish() -> None:
             divide(out, out.dtype.type(size), out=out)
 
-    return _submit(runtime, name, "mean" if average else "sum", array, send, out, array.dtype,
-                   priority, finish, what)
+    kind = "mean" if average else "sum"
+    return _submit(runtime, name, kind if layout is None else f"{kind} of {layout}", array, send, out,
+                   array.dtype, priority, finish, what)
 
 
 def push_pull(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
-              version: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+              version: int = 0, out: np.ndarray | None = None, layout: str | None = None) -> np.ndarray:
     """Blocking push_pull: the sum (or mean) of ``array`` over all workers. See push_pull_async."""
-    return synchronize(push_pull_async(array, name, average, priority, version, out))
+    return synchronize(push_pull_async(array, name, average, priority, version, out, layout))
 
 
 def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,

@@ -11,6 +11,7 @@ import mxnet as mx
 
 import bps_gossip as core
 
+from .fusion import plan_buckets, push_pull_bucket_in_engine
 from .gossip_mode import ParameterGossip
 from .ops import finish_push_pull, push_pull_async, to_host
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
@@ -95,6 +96,8 @@ class DistributedTrainer(mx.gluon.Trainer):
             overlap_backward = enabled_by_default() and not core.is_elastic()
         self.overlap_backward = bool(overlap_backward)
         self.num_steps = 0
+        self._buckets: list | None = None  # allreduce overlap: fused small gradients, planned at the first step
+        self._alone: list = []
         self._gossip: ParameterGossip | None = None
         self._unscaled = self._scale
         if mode == "allreduce":
@@ -164,10 +167,12 @@ class DistributedTrainer(mx.gluon.Trainer):
         if self._gossip is not None:
             return  # gossip mode: gradients stay local; the models are mixed after the update
         if self.overlap_backward:
-            for index, param in self._ready_order:
-                if param.grad_req != "null":
-                    push_pull_in_engine(param.list_grad(), f"gradient_{param.name}", average=False,
-                                        priority=-index)
+            if self._buckets is None:  # grad_req and devices are settled by the first step
+                self._buckets, self._alone = plan_buckets(self._ready_order)
+            for bucket in self._buckets:  # small gradients: one message per bucket (fusion.py)
+                push_pull_bucket_in_engine(bucket)
+            for index, param in self._alone:
+                push_pull_in_engine(param.list_grad(), f"gradient_{param.name}", average=False, priority=-index)
             return
         raise_pending_error()
         pending = []
