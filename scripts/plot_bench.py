@@ -33,7 +33,7 @@ def plot_training(data: dict[str, Any], axes: Any) -> None:
     axes.set_xticks([i + 0.4 - width / 2 for i in range(len(records))], [rec["config"] for rec in records])
     axes.set_ylabel("samples/s (all workers)")
     axes.set_title(f"training {data.get('model', 'mlp')}, batch {data['batch']} per worker")
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
 
 
 def plot_push_pull(data: dict[str, Any], axes: Any) -> None:
@@ -64,7 +64,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     data = json.loads(args.json.read_text())
-    fig, axes = plt.subplots(figsize=(9, 4.5))
+    fig, axes = plt.subplots(figsize=(9, 5.5))
     {"training": plot_training, "push_pull": plot_push_pull}[data["what"]](data, axes)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

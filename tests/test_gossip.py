@@ -13,9 +13,10 @@ GRAPHS = ["npdde", "dde", "bipartite-exp", "linear", "bipartite-linear", "ring"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [3, 4])
-def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers):
-    job = cluster(workers)
+@pytest.mark.parametrize("workers,shm", [(3, "1"), (4, "1"), (3, "0")], ids=["3-shm", "4-shm", "3-tcp"])
+def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers, shm):
+    """Payloads between peers on one host go through shared memory, or over TCP with BPS_GOSSIP_SHM=0."""
+    job = cluster(workers, env={"BPS_GOSSIP_SHM": shm})
     done = job.run_workers(f"""
         import numpy as np, bps_gossip as bps
         from bps_gossip.gossip.averager import GossipAverager
@@ -40,6 +41,7 @@ def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers
                         avg.step()
                     avg.flush()
                     out[tag] = [avg.x["w"].tolist(), avg.weight, avg.debiased()["w"].tolist()]
+        out["shared_memory"] = avg.link.is_local((rank + 1) % size)
         report(out)
         bps.shutdown()
     """)
@@ -48,6 +50,7 @@ def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers
     w0 = np.linspace(-1, 1, 7)
     mean_grad = np.mean([np.arange(7) * 0.1 + r for r in range(workers)], axis=0)
     exact = w0 - 0.05 * 6 * mean_grad
+    assert all(r.pop("shared_memory") == (shm == "1") for r in results)
     for tag in results[0]:
         if isinstance(results[0][tag], str):
             continue
