@@ -2,6 +2,7 @@
 
     python scripts/plot_bench.py training_mlp.json --out docs/img/training_mlp.png
     python scripts/plot_bench.py push_pull.json --out docs/img/push_pull.png
+    python scripts/plot_bench.py tta_100.json --out docs/img/tta_100.png   (netns_cluster.py --json)
 
 Training: samples/s per system and cluster configuration, with the no-communication
 ceiling as a line. push_pull: the ratio of MXNet dist_sync's time to ours per size
@@ -52,6 +53,22 @@ def plot_push_pull(data: dict[str, Any], axes: Any) -> None:
     axes.legend(fontsize="small")
 
 
+def plot_time_to_accuracy(data: dict[str, Any], axes: Any) -> None:
+    """Test accuracy against wall time, one line per mode and run (netns_cluster.py --json)."""
+    for index, run in enumerate(data["runs"]):
+        for mode, curve in run.items():
+            axes.plot(curve["seconds"], curve["accuracy"], marker=".", label=f"{mode} (run {index + 1})")
+    target = data["runs"][0]["allreduce"]["accuracy"][-1]
+    axes.axhline(target, color="black", linestyle="dashed", linewidth=1, label="allreduce's final accuracy")
+    args = data["args"]
+    slow = ", ".join(f"{host} at {mbit:g}" for host, mbit in args["slow"].items()) or "none slow"
+    axes.set_title(f"time to accuracy, {args['workers']} workers, links {args['mbit']:g} Mbit/s ({slow})")
+    axes.set_xlabel("seconds since start")
+    axes.set_ylabel("test accuracy")
+    axes.set_ylim(max(0.0, target - 0.1), 1.0)
+    axes.legend(fontsize="small")
+
+
 def main() -> int:
     """Read one JSON file, write one PNG."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,7 +82,8 @@ def main() -> int:
 
     data = json.loads(args.json.read_text())
     fig, axes = plt.subplots(figsize=(9, 5.5))
-    {"training": plot_training, "push_pull": plot_push_pull}[data["what"]](data, axes)
+    kind = data.get("what", "time_to_accuracy")
+    {"training": plot_training, "push_pull": plot_push_pull, "time_to_accuracy": plot_time_to_accuracy}[kind](data, axes)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
