@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from . import fields
+
 RoundId = tuple[int, int, int, int]  # (generation, key, partition, round number)
 SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
 
@@ -89,13 +91,14 @@ class Round:
 def validate_push(header: dict[str, Any], payload_len: int) -> tuple[dict[str, Any], str, int]:
     """Check a push header's fields and payload size; return (signature, wire dtype, count).
 
-    Raises ValueError (with the reason) for a malformed push.
+    Raises ValueError or ProtocolError (with the reason) for a malformed push.
     """
-    sig = {"dtype": str(header["dtype"]), "shape": [int(d) for d in header["shape"]], "kind": str(header["kind"])}
-    wire = np.dtype(str(header["wire"]))
+    sig = {"dtype": fields.text(header, "dtype", 16), "shape": fields.integers(header, "shape", 32),
+           "kind": fields.text(header, "kind", 1024)}
+    wire = np.dtype(fields.text(header, "wire", 16))
     if wire.kind not in "fiub":
         raise ValueError(f"unsupported wire dtype {wire}")
-    count = int(header["count"])
-    if count < 0 or count * wire.itemsize != payload_len:
+    count = fields.integer(header, "count", 0, 1 << 40)
+    if count * wire.itemsize != payload_len:
         raise ValueError(f"payload of {payload_len} bytes does not hold {count} x {wire}")
     return sig, wire.str, count

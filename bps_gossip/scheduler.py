@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from . import fields
 from .config import Config, load_config
 from .errors import BpsGossipError, ConfigError, ProtocolError
 from .logs import get_logger
@@ -88,19 +89,21 @@ class Scheduler:
         try:
             node = Node(
                 uid=uid,
-                role=str(msg["role"]),
-                addr=str(msg.get("addr", "")),
-                host=str(msg.get("host", "")),
-                pid=int(msg.get("pid", 0)),
-                worker_id=msg.get("worker_id"),
-                local_rank=int(msg.get("local_rank", 0)),
-                local_size=int(msg.get("local_size", 1)),
-                peer_addr=str(msg.get("peer_addr", "")),
+                role=fields.text(msg, "role", 16),
+                addr=fields.text(msg, "addr", 256, ""),
+                host=fields.text(msg, "host", 256, ""),
+                pid=fields.integer(msg, "pid", 0, 1 << 31, 0),
+                worker_id=fields.optional_integer(msg, "worker_id", 0, 1 << 20),
+                local_rank=fields.integer(msg, "local_rank", 0, 1 << 16, 0),
+                local_size=fields.integer(msg, "local_size", 1, 1 << 16, 1),
+                peer_addr=fields.text(msg, "peer_addr", 256, ""),
             )
             if node.role not in ("worker", "server"):
                 raise ConfigError(f"cannot register role {node.role!r}")
+            if node.local_rank >= node.local_size:
+                raise ConfigError(f"local_rank {node.local_rank} is not below local_size {node.local_size}")
             self.members.add(node)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             self.log.error("refused registration from %r: %s", uid, exc)
             self._send(uid, {"op": "refused", "why": str(exc)})
             return

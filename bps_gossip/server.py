@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from . import fields
 from .aggregation import Push, Round, RoundId, validate_push
 from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, PeerLostError, ProtocolError
@@ -33,6 +34,8 @@ from .transport import bind_random_port, recv_message, send_message
 from .transport.shm import AttachedSegment
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
+MAX_WORKERS = 1 << 20  # bounds of fields that arrive in pushes (see fields.py)
+MAX_GENERATION = 1 << 40
 
 INLINE_BYTES = 256 * 1024  # below this, handing a sum to the pool costs more than it saves
 
@@ -142,23 +145,29 @@ class Server:
                 oldest = next(iter(self.segments))
                 self.segments.pop(oldest).close()
             segment = self.segments[name] = AttachedSegment(name)
-        return segment.view(wire, count, int(msg["offset"]))
+        return segment.view(wire, count, fields.integer(msg, "offset", 0, 1 << 40))
 
     # -- handlers -----------------------------------------------------------------
     def _on_push(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        push = Push(rank=int(msg["rank"]), route=route, req=int(msg["req"]))
+        push = Push(rank=-1, route=route, req=0)
         payload: Any = frames[0] if frames else None
         try:
+            push.req = fields.integer(msg, "req")
+            push.rank = fields.integer(msg, "rank", 0, MAX_WORKERS - 1)
             if "shm" in msg:
-                wire_dtype = np.dtype(str(msg["wire"]))
-                push.region = self._region(msg, wire_dtype.str, int(msg["count"]))
+                wire_dtype = np.dtype(fields.text(msg, "wire", 16))
+                push.region = self._region(msg, wire_dtype.str, fields.integer(msg, "count", 0, 1 << 40))
                 payload = push.region
                 sig, wire, count = validate_push(msg, push.region.nbytes)
             else:
                 sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
-            key, part, seq, name = int(msg["key"]), int(msg["part"]), int(msg["seq"]), str(msg["name"])
-            generation, size = int(msg.get("gen", 0)), int(msg.get("size", self.size))
-        except (KeyError, TypeError, ValueError, OSError) as exc:
+            key, part = fields.integer(msg, "key"), fields.integer(msg, "part", 0, 1 << 32)
+            seq, name = fields.integer(msg, "seq"), fields.text(msg, "name", 1024)
+            generation = fields.integer(msg, "gen", 0, MAX_GENERATION, 0)
+            size = fields.integer(msg, "size", 1, MAX_WORKERS, self.size)
+            if push.rank >= size:
+                raise ProtocolError(f"rank {push.rank} in a round of {size} workers")
+        except (KeyError, TypeError, ValueError, OSError, ProtocolError) as exc:
             self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
             return
         known = self.names.setdefault(key, name)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from .. import fields
 from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
 from ..errors import (
@@ -292,7 +293,7 @@ class Engine(GenerationHandling):
             try:
                 _, msg, frames = recv_message(self.peer, routed=True)
                 if msg["op"] == "gossip_ack":
-                    if int(msg.get("gen", -1)) == self.channel.generation:
+                    if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.channel.generation:
                         self.channel.on_ack(msg)
                     continue
                 if msg["op"] != "gossip":

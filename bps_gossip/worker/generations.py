@@ -17,12 +17,14 @@ from typing import Any
 
 import zmq
 
+from .. import fields
 from ..errors import (
     CommTimeoutError,
     ConfigError,
     JobFailedError,
     NotInitializedError,
     PeerLostError,
+    ProtocolError,
     WorkersChangedError,
 )
 from ..transport import bind_random_port, recv_message, send_message
@@ -30,6 +32,7 @@ from .handle import Handle
 from .peers import LEFT_GRACE, PeerChannel
 
 CHANGE_GRACE = 1.0  # seconds pending work may still complete after a graceful change
+MAX_EARLY = 1024  # peer messages of the next generation kept until its book arrives
 
 
 @dataclasses.dataclass
@@ -143,8 +146,11 @@ class GenerationHandling:
             self._on_peer(peer_msg, frames)
 
     def _on_peer(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        generation = int(msg.get("gen", 0))
+        generation = fields.integer(msg, "gen", 0, fields.MAX_INT, 0)
         if generation > self.book.generation:  # the sender has its new book already
+            if generation > max(self.book.generation, self._target_gen) + 1 or len(self._early_peer) >= MAX_EARLY:
+                raise ProtocolError(f"gossip for generation {generation} while this worker is in "
+                                    f"{self.book.generation}: dropped")
             self._early_peer.append((msg, frames))
         elif generation == self.book.generation:
             self.channel.on_message(msg, frames)

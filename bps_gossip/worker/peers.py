@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from .. import fields
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
 from ..transport.shm import AttachedSegment, OwnedSegment, SegmentPool
@@ -31,7 +32,7 @@ from .handle import Handle
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
-ALIGN = 64  # byte alignment of each array inside a shared-memory message
+MAX_ARRAYS = 1024  # arrays in one gossip message
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
 
@@ -102,8 +103,8 @@ class PeerChannel:
 
     def on_ack(self, msg: dict[str, Any]) -> None:
         """A peer read one of our segments: it goes back to the pool."""
-        entry = self.in_flight.get(str(msg["shm"]))
-        if entry is None or entry[0] != int(msg["src"]):
+        entry = self.in_flight.get(fields.text(msg, "shm", 256))
+        if entry is None or entry[0] != fields.integer(msg, "src", 0, len(self.workers) - 1):
             raise ProtocolError(f"gossip_ack for a segment rank {msg.get('src')} was not sent: {msg['shm']!r}")
         del self.in_flight[str(msg["shm"])]
         self.pool.release(entry[1], entry[2])
@@ -121,8 +122,10 @@ class PeerChannel:
     # -- receiving ----------------------------------------------------------------
     def on_message(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         """File one incoming message under its (tag, round, source)."""
-        tag, rnd, src = str(msg["tag"]), int(msg["round"]), int(msg["src"])
-        dtypes, counts = msg["dtypes"], msg["counts"]
+        tag, rnd = fields.text(msg, "tag", 256), fields.integer(msg, "round", 0, 1 << 62)
+        src = fields.integer(msg, "src", 0, len(self.workers) - 1)
+        dtypes = fields.strings(msg, "dtypes", MAX_ARRAYS, 16)
+        counts = fields.integers(msg, "counts", MAX_ARRAYS, 0, 1 << 40)
         if "shm" in msg:
             arrays = self._shared_arrays(src, msg, dtypes, counts)
         else:
@@ -149,11 +152,11 @@ class PeerChannel:
         """Views of the arrays a peer on this host left in its segment."""
         if self.pool is None or not self.is_local(src):
             raise ProtocolError(f"gossip message from rank {src} names a shared-memory segment it cannot share")
-        offsets = msg["offsets"]
+        offsets = fields.integers(msg, "offsets", MAX_ARRAYS, 0, 1 << 40)
         if not len(dtypes) == len(counts) == len(offsets):
             raise ProtocolError(f"gossip message from rank {src}: {len(dtypes)} dtypes, {len(counts)} counts, "
                                 f"{len(offsets)} offsets")
-        name = str(msg["shm"])
+        name = fields.text(msg, "shm", 256)
         segment = self.attached.get(name)
         try:
             if segment is None:

@@ -1,0 +1,72 @@
+"""Checked field reads (bps_gossip/fields.py) and push validation, property-based: any
+value a msgpack peer can send becomes a field of the promised type and range, or a
+ProtocolError/ValueError; never another exception, never a conversion."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bps_gossip import fields
+from bps_gossip.aggregation import validate_push
+from bps_gossip.errors import ProtocolError
+
+# everything msgpack can carry
+scalars = (st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40) | st.binary(max_size=40))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                           max_size=5), max_leaves=20)
+FIELDS = ["req", "rank", "key", "part", "seq", "count", "wire", "dtype", "shape", "kind", "gen", "size", "name"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), values))
+def test_any_push_header_is_a_signature_or_a_rejection(header):
+    header = msgpack.unpackb(msgpack.packb(header), strict_map_key=False)  # as it arrives
+    try:
+        sig, wire, count = validate_push(header, 8)
+    except (ProtocolError, ValueError, TypeError):
+        return
+    assert isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    assert all(isinstance(d, int) and not isinstance(d, bool) for d in sig["shape"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_integer_accepts_only_integers_in_range(value):
+    try:
+        got = fields.integer({"x": value}, "x", 0, 1000)
+    except ProtocolError:
+        assert isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000
+        return
+    assert got is value and 0 <= got <= 1000
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_text_and_lists(value):
+    for read in (lambda m: fields.text(m, "x", 10), lambda m: fields.integers(m, "x", 3),
+                 lambda m: fields.strings(m, "x", 3, 10), lambda m: fields.flag(m, "x"),
+                 lambda m: fields.optional_integer(m, "x")):
+        try:
+            read({"x": value})
+        except ProtocolError:
+            pass
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), True, "7", 7.0, None, [], 1 << 64])
+def test_the_attacks_of_the_issue_are_rejected(bad):
+    with pytest.raises(ProtocolError, match="'x'"):
+        fields.integer({"x": bad}, "x")
+
+
+def test_missing_fields_and_defaults():
+    with pytest.raises(ProtocolError, match="missing"):
+        fields.integer({}, "x")
+    assert fields.integer({}, "x", default=5) == 5
+    assert fields.optional_integer({"x": None}, "x") is None
+    assert fields.text({"x": "abc"}, "x", 3) == "abc"
+    with pytest.raises(ProtocolError, match="more than 3"):
+        fields.text({"x": "abcd"}, "x", 3)
