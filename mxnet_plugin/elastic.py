@@ -61,6 +61,24 @@ def _parameters(net_or_params: Any) -> list[mx.gluon.Parameter]:
     raise TypeError(f"GluonState: expected a Block, ParameterDict or list of Parameters, got {type(params).__name__}")
 
 
+def _states_to_host(state: Any) -> Any:
+    """An optimizer state (NDArray, None, or tuples/lists of them) with numpy copies of the arrays."""
+    if isinstance(state, mx.nd.NDArray):
+        return to_host(state)
+    if isinstance(state, (tuple, list)):
+        return type(state)(_states_to_host(item) for item in state)
+    return state
+
+
+def _states_to_device(state: Any) -> Any:
+    """The inverse of :func:`_states_to_host` (arrays land on the CPU; MXNet moves them)."""
+    if isinstance(state, np.ndarray):
+        return mx.nd.array(state, dtype=state.dtype)
+    if isinstance(state, (tuple, list)):
+        return type(state)(_states_to_device(item) for item in state)
+    return state
+
+
 class GluonState(ObjectState):
     """Parameters, optimizer states and any user values (``**kwargs``) of a Gluon job.
 
@@ -75,7 +93,7 @@ class GluonState(ObjectState):
         self.params = _parameters(net_or_params)
         self.trainer = trainer
         self._saved_params: list[np.ndarray] = []
-        self._saved_optimizer: bytes | None = None
+        self._saved_optimizer: dict[int, Any] | None = None
         super().__init__(**kwargs)
 
     def _check_initialized(self, where: str) -> None:
@@ -85,16 +103,21 @@ class GluonState(ObjectState):
                 f"GluonState.{where}: parameters {missing[:5]} are not initialized yet; call "
                 "net.initialize() and run one forward pass (deferred shapes) before creating the state")
 
-    def _optimizer_states(self) -> bytes | None:
+    def _optimizer_states(self) -> dict[int, Any] | None:
+        """The optimizer states as numpy copies (MXNet's get_states() would pickle them, and the
+        sync must never unpickle what comes through the servers)."""
         updaters = getattr(self.trainer, "_updaters", None)
         if not updaters:
             return None
-        return updaters[0].get_states(dump_optimizer=False)
+        return {index: _states_to_host(state) for index, state in updaters[0].states.items()}
 
-    def _load_optimizer_states(self, states: bytes | None, counters: dict[str, Any] | None) -> None:
+    def _load_optimizer_states(self, states: dict[int, Any] | None, counters: dict[str, Any] | None) -> None:
         if states is not None:
             for updater in self.trainer._updaters:
-                updater.set_states(states)
+                # What Updater.set_states does after unpickling; MXNet moves each state to its
+                # parameter's device at the next update (states_synced False).
+                updater.states = {int(index): _states_to_device(state) for index, state in states.items()}
+                updater.states_synced = dict.fromkeys(updater.states, False)
         if counters is not None:
             optimizer = self.trainer._optimizer
             optimizer.num_update = counters["num_update"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -11,17 +10,23 @@ import numpy as np
 
 from .. import api
 from ..errors import HostsUpdatedInterrupt
+from . import codec
 
 
 def broadcast_object(obj: Any, name: str, root_rank: int = 0) -> Any:
-    """Return root_rank's ``obj`` on every rank (pickled, sent as bytes through the servers)."""
+    """Return root_rank's ``obj`` on every rank, sent as bytes through the servers.
+
+    Encoded with :mod:`bps_gossip.elastic.codec` (msgpack, numpy arrays, tuples), never
+    pickled: bytes that come through the servers are data, not code. A value it cannot
+    encode is a TypeError on root_rank naming its type.
+    """
     if api.size() == 1:
         return obj
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if api.rank() == root_rank else b""
+    payload = codec.encode(obj) if api.rank() == root_rank else b""
     length = api.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
     data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(int(length[0]), dtype=np.uint8)
     data = api.broadcast(data, f"{name}.bytes", root_rank)
-    return pickle.loads(data.tobytes())
+    return codec.decode(data.tobytes())
 
 
 class State:
