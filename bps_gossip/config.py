@@ -53,6 +53,7 @@ class Config:
     min_workers: int = 1
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
+    start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
 
     @property
     def scheduler_address(self) -> str:
@@ -223,6 +224,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         min_workers=min_workers,
         max_workers=max_workers,
         elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
+        start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
     )
     if role != "worker" or config.distributed:
         if root_port is None:

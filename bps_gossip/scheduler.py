@@ -65,6 +65,7 @@ class Scheduler:
         self.change: Change | None = None  # an elastic membership change waiting for rejoins
         self.exit_code = 0
         self.running = True
+        self.created = time.monotonic()
 
     # -- sending ------------------------------------------------------------------
     def _send(self, uid: bytes, header: dict[str, Any]) -> None:
@@ -251,6 +252,14 @@ class Scheduler:
             self._fail_job(f"{', '.join(missing)} did not rejoin generation {self.change.generation} within "
                            f"BPS_GOSSIP_ELASTIC_TIMEOUT={self.config.elastic_timeout:g} s")
 
+    def _incomplete_start(self, waited: float) -> str:
+        workers = self.members.workers()
+        hosts = sorted(f"worker pid {w.pid} on {w.host}" for w in workers)
+        return (f"the rendezvous did not complete within BPS_GOSSIP_START_TIMEOUT={self.config.start_timeout:g} s "
+                f"({waited:.0f} s): {len(self.members.servers())} of DMLC_NUM_SERVER={self.config.num_server} "
+                f"servers and {len(workers)} worker process(es) of DMLC_NUM_WORKER={self.config.num_worker} "
+                f"machine(s) registered{': ' + ', '.join(hosts) if hosts else ''}")
+
     def _fail_job(self, why: str) -> None:
         self.log.error("the job failed: %s", why)
         for member in self.members.nodes.values():
@@ -303,6 +312,9 @@ class Scheduler:
 
     def _check_heartbeats(self) -> None:
         if not self.members.started:
+            waited = time.monotonic() - self.created
+            if waited > self.config.start_timeout:
+                self._fail_job(self._incomplete_start(waited))
             return
         now = time.monotonic()
         for node in list(self.members.nodes.values()):

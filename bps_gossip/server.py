@@ -28,7 +28,7 @@ import zmq
 from . import fields
 from .aggregation import Push, Round, RoundId, validate_push
 from .config import Config, load_config
-from .errors import BpsGossipError, CommTimeoutError, PeerLostError, ProtocolError
+from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
 from .transport.shm import AttachedSegment
@@ -102,6 +102,8 @@ class Server:
             heard = time.monotonic()
             if msg["op"] == "refused":
                 raise ProtocolError(f"scheduler refused this server: {msg.get('why')}")
+            if msg["op"] == "terminate":
+                raise JobFailedError(f"server {self.addr}: the job ended before it started: {msg.get('why')}")
             if msg["op"] == "book":
                 self.rank = int(msg["rank"])
                 self.size = len(msg["book"]["workers"])

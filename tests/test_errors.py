@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import textwrap
+import time
 
 import pytest
 from cluster import assert_all_ok
@@ -363,3 +364,41 @@ def test_two_workers_with_the_same_worker_id(cluster):
             assert seconds < 2, f.result
         else:  # the first waits for a rendezvous that cannot complete, then says so
             assert f"127.0.0.1:{job.port}" in message and seconds < 4.5, f.result
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_that_never_completes_ends_the_job(cluster):
+    """BPS_GOSSIP_START_TIMEOUT: one of two workers never comes; everybody hears why and exits."""
+    job = cluster(2, env={"BPS_GOSSIP_START_TIMEOUT": "3", "BPS_GOSSIP_TIMEOUT": "30"})
+    started = time.monotonic()
+    done = job.run_workers("""
+        import bps_gossip as bps
+        try:
+            bps.init()
+            report(["joined"])
+        except bps.BpsGossipError as exc:
+            report([type(exc).__name__, str(exc)])
+    """, count=1, timeout=40)
+    kind, why = done[0].result
+    assert kind == "JobFailedError", done[0].result
+    assert "BPS_GOSSIP_START_TIMEOUT=3" in why and "1 of DMLC_NUM_SERVER=1" in why and "1 worker process" in why, why
+    job.wait_servers_exit(timeout=10)
+    assert time.monotonic() - started < 20
+    assert job.scheduler.returncode == 1 and job.server_procs[0].returncode != 0, job.dump()
+    assert "START_TIMEOUT" in job.dump()
+
+
+@pytest.mark.timeout(60)
+def test_scheduler_and_server_without_workers_end(cluster):
+    """A BytePS-mode job whose only worker runs alone (no BYTEPS_FORCE_DISTRIBUTED) never registers."""
+    job = cluster(1, env={"BPS_GOSSIP_START_TIMEOUT": "2"})
+    done = job.run_workers("""
+        import numpy as np, bps_gossip as bps
+        bps.init()
+        report(bps.push_pull(np.ones(2), "alone").tolist())
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    assert done[0].result == [1.0, 1.0]
+    job.wait_servers_exit(timeout=15)
+    assert job.scheduler.returncode == 1

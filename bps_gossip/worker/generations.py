@@ -90,7 +90,7 @@ class GenerationHandling:
             if msg["op"] == "refused":
                 raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
             if msg["op"] == "job_failed":
-                raise JobFailedError(f"the elastic job failed: {msg.get('why')}")
+                raise JobFailedError(f"the job failed: {msg.get('why')}")
             if msg["op"] == "wait" and not waited:
                 waited = True
                 deadline = time.monotonic() + cfg.elastic_timeout + cfg.timeout
