@@ -247,6 +247,8 @@ def test_dead_scheduler_fails_the_workers(cluster):
         rank = bps.rank()
         bps.push_pull(np.ones(3, np.float32), "warm-up")
         bps.barrier()
+        # through the server: both ranks have their barrier's answer before the scheduler dies
+        bps.push_pull(np.ones(3, np.float32), "both past the barrier")
         if rank == 0:
             os.kill({victim}, 9)
         def loop():  # push_pulls go on (the server lives) until the scheduler's silence is noticed
