@@ -34,6 +34,9 @@ from .errors import BpsGossipError, ConfigError, ProtocolError
 from .logs import get_logger
 from .membership import Membership, Node
 from .transport import recv_message, send_message, shm
+from .transport.framing import MAX_HEADER_BYTES
+
+MAX_CONTROL_BYTES = 4 * MAX_HEADER_BYTES  # the largest message the scheduler accepts
 
 
 @dataclasses.dataclass
@@ -58,6 +61,9 @@ class Scheduler:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Only small control messages come here: a larger one drops its sender's connection
+        # before anything is allocated for it.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         host = socket.gethostbyname(config.root_uri)
         self.sock.bind(f"tcp://{host}:{config.root_port}")
         self.barriers: dict[int, set[bytes]] = {}

@@ -63,12 +63,24 @@ def attack(address, template, rng, payloads):
     return sent
 
 
+def oversized(address, template, count=3):
+    """Messages far above the scheduler's ZMQ_MAXMSGSIZE: the connection drops, nothing is kept."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    for _ in range(count):
+        sock.send_multipart([msgpack.packb(template), b"\0" * (64 << 20)])
+    sock.close()
+    return count
+
+
 bps.init()
 rank, size = bps.rank(), bps.size()
 book = _rt("fuzz").engine.book
 rng = random.Random(rank)
 payloads = [[], [b"\x00" * 8], [b"\x00" * 3], [b"\x00" * 8, b"\x00" * 8]]
 sent = attack(os.environ["FUZZ_SCHEDULER"], REGISTER, rng, payloads)
+sent += oversized(os.environ["FUZZ_SCHEDULER"], REGISTER)
 for server in book.servers:
     sent += attack(server, {**PUSH, "rank": rank}, rng, payloads)
 peer = (rank + 1) % size
