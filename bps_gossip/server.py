@@ -31,7 +31,7 @@ from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
-from .transport.shm import AttachedSegment
+from .transport.shm import AttachedSegments
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
 MAX_WORKERS = 1 << 20  # bounds of fields that arrive in pushes (see fields.py)
@@ -69,7 +69,7 @@ class Server:
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
         self.parts_seen: dict[int, set[int]] = {}
         self.rounds_done = 0
-        self.segments: dict[str, AttachedSegment] = {}
+        self.segments = AttachedSegments(MAX_ATTACHED)
         self.size = 0
         self.generation = 0  # elastic: rounds of older generations are failed and dropped
         self.rank = -1
@@ -140,14 +140,7 @@ class Server:
 
     def _region(self, msg: dict[str, Any], wire: str, count: int) -> Any:
         """The worker's shared-memory region named in a push (attached on first use)."""
-        name = str(msg["shm"])
-        segment = self.segments.get(name)
-        if segment is None:
-            if len(self.segments) >= MAX_ATTACHED:
-                oldest = next(iter(self.segments))
-                self.segments.pop(oldest).close()
-            segment = self.segments[name] = AttachedSegment(name)
-        return segment.view(wire, count, fields.integer(msg, "offset", 0, 1 << 40))
+        return self.segments.view(fields.text(msg, "shm", 256), wire, count, fields.integer(msg, "offset", 0, 1 << 40))
 
     # -- handlers -----------------------------------------------------------------
     def _on_push(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
@@ -355,8 +348,7 @@ class Server:
     def close(self) -> None:
         """Stop the pool and close the sockets."""
         self.pool.shutdown(wait=True, cancel_futures=True)
-        for segment in self.segments.values():
-            segment.close()
+        self.segments.close()
         self.sock.close(linger=0)
         self.sched.close(linger=500)
         os.close(self.done_r)

@@ -25,7 +25,7 @@ import numpy as np
 import bps_gossip as core
 from bps_gossip.gossip.averager import GossipAverager
 
-from .layouts import make_default, raw_view
+from .layouts import idle_view
 
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
 
@@ -98,7 +98,7 @@ class ParameterGossip:
             else:
                 flat = np.empty(sum(size for _, _, size in entries), dtype=np.dtype(key))
             for param, offset, size in entries:
-                np.copyto(flat[offset:offset + size], self._memory(param.list_data()[0], param).reshape(-1))
+                np.copyto(flat[offset:offset + size], idle_view(param.list_data()[0]).reshape(-1))
             buffers[key] = flat
         return buffers
 
@@ -112,13 +112,7 @@ class ParameterGossip:
             for param, offset, size in entries:
                 value = flat[offset:offset + size].reshape(param.shape)
                 for copy in param.list_data():
-                    np.copyto(self._memory(copy, param), value)
-
-    @staticmethod
-    def _memory(array: mx.nd.NDArray, param: mx.gluon.Parameter) -> np.ndarray:
-        """A view of an idle array's memory, in the default layout (reordered if need be)."""
-        make_default(array)
-        return raw_view(array, f"gossip {param.name!r}")
+                    np.copyto(idle_view(copy), value)
 
     def after_update(self, before: dict[str, np.ndarray]) -> None:
         """The optimizer moved the parameters from ``before``: gossip, then write z back.

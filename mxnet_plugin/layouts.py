@@ -62,6 +62,13 @@ def holds_onednn_layout(array: mx.nd.NDArray) -> bool:
     return False
 
 
+def idle_view(array: mx.nd.NDArray) -> np.ndarray:
+    """A writable view of the memory of an array nothing in MXNet's engine is using (after
+    a wait for it), reordered to the default layout first if it held a oneDNN one."""
+    make_default(array)
+    return _pointer_view(array)
+
+
 def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
     """A writable numpy view of ``array``'s memory: no wait, no copy.
 
@@ -75,6 +82,12 @@ def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
             f"{what}: the array holds a oneDNN (MKLDNN) layout inside MXNet's engine, where it cannot be "
             "reordered; an inference forward made it so after this push_pull was queued. Wait for the "
             "forward (mx.nd.waitall()) before queueing, or set BPS_GOSSIP_OVERLAP_BACKWARD=0")
+    return _pointer_view(array)
+
+
+def _pointer_view(array: mx.nd.NDArray) -> np.ndarray:
+    if array.size == 0:
+        return np.empty(array.shape, array.dtype)
     pointer = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
     dtype = np.dtype(array.dtype)

@@ -27,6 +27,8 @@ FAST_ENV = {
     "BPS_GOSSIP_HEARTBEAT_INTERVAL": "0.2",
     "BPS_GOSSIP_HEARTBEAT_TIMEOUT": "2",
     "BYTEPS_LOG_LEVEL": "WARNING",
+    # A cluster whose test was killed before its workers all started ends by itself.
+    "BPS_GOSSIP_START_TIMEOUT": "60",
 }
 
 PRELUDE = '''

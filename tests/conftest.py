@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cluster import Cluster  # noqa: E402
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A SIGTERM to pytest (a CI timeout, a kill) still runs the fixtures' teardown, which kills
+# every process the tests started; without this a killed run left schedulers and servers behind.
+signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture

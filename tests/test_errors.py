@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import signal
 import textwrap
-import time
 
 import pytest
 from cluster import assert_all_ok
@@ -372,7 +371,6 @@ def test_two_workers_with_the_same_worker_id(cluster):
 def test_rendezvous_that_never_completes_ends_the_job(cluster):
     """BPS_GOSSIP_START_TIMEOUT: one of two workers never comes; everybody hears why and exits."""
     job = cluster(2, env={"BPS_GOSSIP_START_TIMEOUT": "3", "BPS_GOSSIP_TIMEOUT": "30"})
-    started = time.monotonic()
     done = job.run_workers("""
         import bps_gossip as bps
         try:
@@ -385,7 +383,6 @@ def test_rendezvous_that_never_completes_ends_the_job(cluster):
     assert kind == "JobFailedError", done[0].result
     assert "BPS_GOSSIP_START_TIMEOUT=3" in why and "1 of DMLC_NUM_SERVER=1" in why and "1 worker process" in why, why
     job.wait_servers_exit(timeout=10)
-    assert time.monotonic() - started < 20
     assert job.scheduler.returncode == 1 and job.server_procs[0].returncode != 0, job.dump()
     assert "START_TIMEOUT" in job.dump()
 

@@ -30,7 +30,6 @@ def test_malformed_messages_crash_nothing(cluster):
     for r in results:
         assert r["sum"] == [3.0] * 5
         assert r["gossip"] == [0.5] * 3  # two workers, one round: the exact average
-    assert job.scheduler.poll() is None or job.scheduler.returncode == 0
     job.wait_servers_exit()
     assert "Traceback" not in job.dump(), job.dump()
     assert job.scheduler.returncode == 0 and all(p.returncode == 0 for p in job.server_procs), job.dump()

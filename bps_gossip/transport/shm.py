@@ -86,6 +86,31 @@ class AttachedSegment:
             pass
 
 
+class AttachedSegments:
+    """Segments of other processes mapped here, at most ``limit`` at once (the oldest is
+    unmapped first), each attached on first use."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._segments: dict[str, AttachedSegment] = {}
+
+    def view(self, name: str, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+        """A view of ``count`` items at byte ``offset`` of segment ``name``; ValueError or
+        OSError if the name is not a segment of ours or the view does not fit."""
+        segment = self._segments.get(name)
+        if segment is None:
+            if len(self._segments) >= self.limit:
+                self._segments.pop(next(iter(self._segments))).close()
+            segment = self._segments[name] = AttachedSegment(name)
+        return segment.view(dtype, count, offset)
+
+    def close(self) -> None:
+        """Unmap every segment."""
+        for segment in self._segments.values():
+            segment.close()
+        self._segments.clear()
+
+
 def sweep(job: str | None = None, pid: int | None = None) -> int:
     """Remove leftover segments of ``job`` (all of it, or one owner ``pid``); return how many."""
     pattern = f"{PREFIX}_{job or '*'}_{pid if pid is not None else '*'}_*"

@@ -27,7 +27,7 @@ import zmq
 from .. import fields
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
-from ..transport.shm import AttachedSegment, OwnedSegment, SegmentPool
+from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool
 from .handle import Handle
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
@@ -67,7 +67,7 @@ class PeerChannel:
         self.left: dict[int, tuple[str, float]] = {}
         self.pool: SegmentPool | None = None  # set by the engine where shared memory works
         self.in_flight: dict[str, tuple[int, str, OwnedSegment]] = {}  # segment name -> (dst, pool key, segment)
-        self.attached: dict[str, AttachedSegment] = {}
+        self.attached = AttachedSegments(MAX_ATTACHED)
 
     def is_local(self, dst: int) -> bool:
         """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
@@ -157,18 +157,13 @@ class PeerChannel:
             raise ProtocolError(f"gossip message from rank {src}: {len(dtypes)} dtypes, {len(counts)} counts, "
                                 f"{len(offsets)} offsets")
         name = fields.text(msg, "shm", 256)
-        segment = self.attached.get(name)
         try:
-            if segment is None:
-                if len(self.attached) >= MAX_ATTACHED:
-                    self.attached.pop(next(iter(self.attached))).close()
-                segment = self.attached[name] = AttachedSegment(name)
             arrays = []
             for dtype, count, offset in zip(dtypes, counts, offsets, strict=True):
                 dt = np.dtype(dtype)
                 if dt.kind not in "fiub":
                     raise ValueError(f"dtype {dt} is not gossiped")
-                arrays.append(segment.view(dt, int(count), int(offset)))
+                arrays.append(self.attached.view(name, dt, int(count), int(offset)))
         except (OSError, ValueError) as exc:
             raise ProtocolError(f"gossip message from rank {src}: segment {name!r}: {exc}") from None
         return arrays
@@ -239,9 +234,7 @@ class PeerChannel:
         for sock in self.dealers.values():
             sock.close()
         self.dealers.clear()
-        for segment in self.attached.values():
-            segment.close()
-        self.attached.clear()
+        self.attached.close()
         for _, key, segment in self.in_flight.values():
             self.pool.release(key, segment, reusable=False)
         self.in_flight.clear()
