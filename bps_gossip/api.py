@@ -327,10 +327,15 @@ class PeerLink:
         self._engine = runtime.engine
         self.rank = runtime.rank
         self.size = runtime.size
+        self.max_bytes = runtime.config.max_message_bytes
 
     def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Send ``arrays`` to worker ``dst``; do not modify them afterwards."""
         assert self._engine is not None, "no peers in a one-worker job"
+        for index, array in enumerate(arrays):  # a peer's socket drops larger frames
+            if array.nbytes > self.max_bytes:
+                raise ValueError(f"gossip {header.get('tag')!r}: array {index} has {array.nbytes} bytes, more than "
+                                 f"BPS_GOSSIP_MAX_MESSAGE_BYTES={self.max_bytes} that peers accept")
         self._engine.submit("peer_send", (dst, header, arrays, None))
 
     def is_local(self, dst: int) -> bool:

@@ -18,6 +18,7 @@ import socket
 from collections.abc import Mapping
 
 from .errors import ConfigError
+from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -54,6 +55,8 @@ class Config:
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
     start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
+    max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
+    keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
 
     @property
     def scheduler_address(self) -> str:
@@ -105,6 +108,20 @@ def _float(env: Mapping[str, str], name: str, default: float, positive: bool = T
     if positive and not value > 0:
         raise ConfigError(f"{name}={raw!r} must be > 0")
     return value
+
+
+def _job_keys(env: Mapping[str, str]) -> JobKeys | None:
+    """The CURVE keys of BPS_GOSSIP_SECRET, or of the first line of BPS_GOSSIP_SECRET_FILE."""
+    secret, path = _get(env, "BPS_GOSSIP_SECRET"), _get(env, "BPS_GOSSIP_SECRET_FILE")
+    if secret is not None and path is not None:
+        raise ConfigError("set BPS_GOSSIP_SECRET or BPS_GOSSIP_SECRET_FILE, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as file:
+                secret = file.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"BPS_GOSSIP_SECRET_FILE={path!r} cannot be read: {exc}") from None
+    return None if secret is None else JobKeys.from_secret(secret)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -225,6 +242,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         max_workers=max_workers,
         elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
+        max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
+        keys=_job_keys(env),
     )
     if role != "worker" or config.distributed:
         if root_port is None:

@@ -85,9 +85,11 @@ def describe_exit(code: int) -> str:
     return f"code {code}"
 
 
-def join_command(port: int, command: list[str]) -> str:
-    """The command line that adds one more worker to the local job on ``port``."""
-    return shlex.join(["bpslaunch", "--join", "--root", f"127.0.0.1:{port}", *command])
+def join_command(port: int, command: list[str], secret_file: str | None = None) -> str:
+    """The command line that adds one more worker to the local job on ``port`` (with the
+    job's secret file, when bpslaunch made one)."""
+    line = shlex.join(["bpslaunch", "--join", "--root", f"127.0.0.1:{port}", *command])
+    return line if secret_file is None else f"BPS_GOSSIP_SECRET_FILE={shlex.quote(secret_file)} {line}"
 
 
 def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:

@@ -25,11 +25,13 @@ import collections
 import dataclasses
 import importlib
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -280,6 +282,9 @@ def run_local(num_proc: int, num_servers: int, command: list[str],
     elastic.check(num_proc)
     _check_command(command, base)
     port = free_port()
+    secret_file = None
+    if not base.get("BPS_GOSSIP_SECRET") and not base.get("BPS_GOSSIP_SECRET_FILE"):
+        secret_file = base["BPS_GOSSIP_SECRET_FILE"] = make_secret_file(port)
     base.update({
         "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": str(num_servers), "BYTEPS_LOCAL_SIZE": str(num_proc),
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port), "DMLC_NODE_HOST": "127.0.0.1",
@@ -305,13 +310,24 @@ def run_local(num_proc: int, num_servers: int, command: list[str],
                      for rank, env in enumerate(workers)}
             if not config.elastic:
                 return sup.wait(fail_fast=True)
-            sup.note(f"elastic job; add a worker with: {join_command(port, command)}")
+            sup.note(f"elastic job; add a worker with: {join_command(port, command, secret_file)}")
             # A replacement keeps its slot's BYTEPS_LOCAL_RANK: it joins the running job at the next
             # commit (ranks come from the scheduler), or fills the slot if the job has not started.
             return ElasticRun(sup, first, command, lambda slot: workers[slot], elastic.reset_limit,
                               restart_delay(config)).run()
     finally:
         shm.sweep(str(port))  # segments of killed workers (their resource trackers died too)
+        if secret_file is not None:
+            os.unlink(secret_file)
+
+
+def make_secret_file(port: int) -> str:
+    """A fresh job secret in a file only this user can read; the children read it from there
+    (BPS_GOSSIP_SECRET_FILE), so it is in no process's command line or environment."""
+    fd, path = tempfile.mkstemp(prefix=f"bpsg_secret_{port}_")  # mode 0600
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None = None) -> int:

@@ -175,6 +175,7 @@ class Membership:
             "workers": [
                 {
                     "rank": w.rank,
+                    "uid": w.uid.hex(),  # its routing id: servers and peers know its messages by it
                     "addr": w.peer_addr,
                     "host": w.host,
                     "pid": w.pid,

@@ -35,6 +35,7 @@ from .logs import get_logger
 from .membership import Membership, Node
 from .transport import recv_message, send_message, shm
 from .transport.framing import MAX_HEADER_BYTES
+from .transport.security import make_socket
 
 MAX_CONTROL_BYTES = 4 * MAX_HEADER_BYTES  # the largest message the scheduler accepts
 
@@ -58,7 +59,7 @@ class Scheduler:
         self.log = get_logger("scheduler", config.log_level)
         self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, config.keys, serve=True)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Only small control messages come here: a larger one drops its sender's connection

@@ -5,6 +5,11 @@ push at once (the worker's credit), checks it against its round, and sums it, in
 for small partitions and on a thread pool (BYTEPS_SERVER_ENGINE_THREAD) for large
 ones. When all workers of the generation have pushed, each gets the sum back.
 
+A push's rank is the worker whose connection it came on (its routing id is in the
+scheduler's address book), a round's size is the book's, and the generation is the
+scheduler's: nothing of that is taken from the message. A push for a generation whose
+book has not reached this server yet is held (bounded) until it has.
+
 A push that disagrees with its round, a worker that died or left, and a round that
 stays incomplete past BPS_GOSSIP_TIMEOUT all end in an error reply to every
 participant: never a silent hang.
@@ -14,6 +19,7 @@ Run it with ``DMLC_ROLE=server bpslaunch`` or ``python -m bps_gossip.server``.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import sys
@@ -31,11 +37,14 @@ from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
-from .transport.shm import AttachedSegments
+from .transport.security import HandshakeWatch, make_socket
+from .transport.shm import AttachedSegments, owner_pid
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
-MAX_WORKERS = 1 << 20  # bounds of fields that arrive in pushes (see fields.py)
 MAX_GENERATION = 1 << 40
+MIN_MAX_FRAME = 64 << 20  # the socket's frame limit is at least this (see __init__)
+MAX_EARLY_PUSHES = 16384  # pushes held until this server has the address book they belong to
+MAX_EARLY_BYTES = 512 << 20
 
 INLINE_BYTES = 256 * 1024  # below this, handing a sum to the pool costs more than it saves
 
@@ -47,7 +56,7 @@ class Server:
         self.config = config
         self.log = get_logger("server", config.log_level)
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, config.keys, serve=True)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small
@@ -55,10 +64,14 @@ class Server:
         # the queue is bounded by what the workers sent.
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        # A frame above this drops its sender's connection before anything is allocated for it:
+        # workers send partitions of at most BYTEPS_PARTITION_BYTES (headers are small).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(2 * config.partition_bytes, MIN_MAX_FRAME))
         self.addr = bind_random_port(self.sock, config.node_host, config.port)
-        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched = make_socket(self.ctx, zmq.DEALER, config.keys, serve=False)
         self.sched.setsockopt(zmq.LINGER, 1000)
         self.sched.setsockopt(zmq.IDENTITY, f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self.watch = HandshakeWatch(self.sched)
         self.sched.connect(config.scheduler_address)
         self.pool = ThreadPoolExecutor(config.server_engine_threads, thread_name_prefix="bps-sum")
         self.done_r, self.done_w = os.pipe()
@@ -71,6 +84,11 @@ class Server:
         self.rounds_done = 0
         self.segments = AttachedSegments(MAX_ATTACHED)
         self.size = 0
+        self.ranks: dict[bytes, int] = {}  # a worker's routing id -> its rank, from the address book
+        self.pids: list[int] = []  # by rank: a worker's shared-memory segments carry its pid
+        self.book_generation = 0  # the generation of the last address book
+        self.early: collections.deque[tuple[float, bytes, dict[str, Any], list[zmq.Frame]]] = collections.deque()
+        self.early_bytes = 0
         self.generation = 0  # elastic: rounds of older generations are failed and dropped
         self.rank = -1
         self.running = True
@@ -88,6 +106,9 @@ class Server:
         # as long as the scheduler answers heartbeats, and give up only when it falls silent.
         interval = self.config.heartbeat_interval
         heard = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
         while True:
             if time.monotonic() - heard > self.config.timeout:
                 raise CommTimeoutError(
@@ -95,7 +116,11 @@ class Server:
                     f"{self.config.scheduler_address}, and no answer for {self.config.timeout:.1f} s "
                     "(is it running?)"
                 )
-            if not self.sched.poll(int(interval * 1000)):
+            self.watch.check(self.config.keys, f"server {self.addr}", self.config.scheduler_address)
+            events = dict(poller.poll(int(min(interval, 0.5) * 1000)))
+            if self.sock in events:  # pushes of workers that have their book already: held
+                self._drain_socket()
+            if self.sched not in events:
                 send_message(self.sched, {"op": "heartbeat"})
                 continue
             _, msg, _ = recv_message(self.sched, routed=False)
@@ -105,12 +130,36 @@ class Server:
             if msg["op"] == "terminate":
                 raise JobFailedError(f"server {self.addr}: the job ended before it started: {msg.get('why')}")
             if msg["op"] == "book":
-                self.rank = int(msg["rank"])
-                self.size = len(msg["book"]["workers"])
-                self.generation = int(msg["book"]["generation"])
+                self.watch.close()
+                self._take_book(msg)
                 self.log.info("server %d of the job at %s serves %d workers", self.rank, self.addr, self.size)
                 self.last_ack = time.monotonic()
                 return
+
+    def _take_book(self, msg: dict[str, Any]) -> None:
+        """An address book from the scheduler: who the workers are, and a new generation."""
+        book = msg["book"]
+        self.rank = int(msg["rank"])
+        self.size = len(book["workers"])
+        self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(book["workers"])}
+        self.pids = [w["pid"] for w in book["workers"]]
+        self.book_generation = int(book["generation"])
+        self._new_generation(self.book_generation, "a new generation began")
+        early, self.early, self.early_bytes = self.early, collections.deque(), 0
+        for _, route, push_msg, frames in early:
+            self._on_push(route, push_msg, frames)
+
+    def _hold(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame], generation: int) -> None:
+        """Keep a push until the address book of its generation arrives (bounded)."""
+        nbytes = sum(len(frame) for frame in frames)
+        if len(self.early) >= MAX_EARLY_PUSHES or self.early_bytes + nbytes > MAX_EARLY_BYTES:
+            self._reply(Push(-1, route, msg["req"]), {
+                "op": "error", "kind": "protocol",
+                "why": f"server {self.addr} holds {len(self.early)} pushes ({self.early_bytes} bytes) for generations "
+                       f"whose address book it has not received; generation {generation} push dropped"})
+            return
+        self.early.append((time.monotonic(), route, msg, frames))
+        self.early_bytes += nbytes
 
     # -- replies ------------------------------------------------------------------
     def _reply(self, push: Push, header: dict[str, Any], payloads: tuple = ()) -> None:
@@ -138,9 +187,12 @@ class Server:
                 self._reply(push, {"op": "result"}, (rnd.acc,))
         self.rounds_done += 1
 
-    def _region(self, msg: dict[str, Any], wire: str, count: int) -> Any:
-        """The worker's shared-memory region named in a push (attached on first use)."""
-        return self.segments.view(fields.text(msg, "shm", 256), wire, count, fields.integer(msg, "offset", 0, 1 << 40))
+    def _region(self, rank: int, msg: dict[str, Any], wire: str, count: int) -> Any:
+        """The region of worker ``rank``'s own shared-memory segment named in its push."""
+        name = fields.text(msg, "shm", 256)
+        if owner_pid(name) != self.pids[rank]:
+            raise ProtocolError(f"rank {rank} named segment {name!r}, which is not its own")
+        return self.segments.view(name, wire, count, fields.integer(msg, "offset", 0, 1 << 40))
 
     # -- handlers -----------------------------------------------------------------
     def _on_push(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
@@ -148,23 +200,38 @@ class Server:
         payload: Any = frames[0] if frames else None
         try:
             push.req = fields.integer(msg, "req")
-            push.rank = fields.integer(msg, "rank", 0, MAX_WORKERS - 1)
-            if "shm" in msg:
-                wire_dtype = np.dtype(fields.text(msg, "wire", 16))
-                push.region = self._region(msg, wire_dtype.str, fields.integer(msg, "count", 0, 1 << 40))
-                payload = push.region
-                sig, wire, count = validate_push(msg, push.region.nbytes)
-            else:
-                sig, wire, count = validate_push(msg, len(payload) if payload is not None else 0)
-            key, part = fields.integer(msg, "key"), fields.integer(msg, "part", 0, 1 << 32)
-            seq, name = fields.integer(msg, "seq"), fields.text(msg, "name", 1024)
-            generation = fields.integer(msg, "gen", 0, MAX_GENERATION, 0)
-            size = fields.integer(msg, "size", 1, MAX_WORKERS, self.size)
-            if push.rank >= size:
-                raise ProtocolError(f"rank {push.rank} in a round of {size} workers")
-        except (KeyError, TypeError, ValueError, OSError, ProtocolError) as exc:
+            generation = fields.integer(msg, "gen", 0, MAX_GENERATION)
+        except ProtocolError as exc:
             self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
             return
+        if generation > self.book_generation:  # the worker has its new book, this server not yet
+            self._hold(route, msg, frames, generation)
+            return
+        try:
+            if "shm" in msg:
+                wire = np.dtype(fields.text(msg, "wire", 16))
+                shm_count = fields.integer(msg, "count", 0, 1 << 40)
+                sig, wire_str, count = validate_push(msg, shm_count * wire.itemsize)
+            else:
+                sig, wire_str, count = validate_push(msg, len(payload) if payload is not None else 0)
+            key, part = fields.integer(msg, "key"), fields.integer(msg, "part", 0, 1 << 32)
+            seq, name = fields.integer(msg, "seq"), fields.text(msg, "name", 1024)
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
+            return
+        rank = self.ranks.get(route)
+        if rank is None:  # before anything of the message is acted on
+            self._reply(push, {"op": "error", "kind": "protocol",
+                               "why": f"server {self.addr}: the sender is no worker of generation "
+                                      f"{self.book_generation} of this job"})
+            return
+        push.rank, size = rank, self.size
+        if "shm" in msg:  # only a registered worker's own segment is mapped
+            try:
+                payload = push.region = self._region(rank, msg, wire_str, count)
+            except (OSError, ValueError, ProtocolError) as exc:
+                self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
+                return
         known = self.names.setdefault(key, name)
         if known != name:
             self._reply(push, {"op": "error", "kind": "protocol",
@@ -179,18 +246,16 @@ class Server:
             self._reply(push, {"op": "error", "kind": "changed",
                                "why": f"tensor {name!r}: generation {generation} of the job has ended"})
             return
-        if generation > self.generation:  # a worker heard of the new generation before this server
-            self._new_generation(generation, "a new generation began")
         rid = (generation, key, part, seq)
         rnd = self.rounds.get(rid)
         if rnd is None:
-            rnd = self.rounds[rid] = Round(rid, name, sig, wire, count, size)
+            rnd = self.rounds[rid] = Round(rid, name, sig, wire_str, count, size)
         elif push.rank in rnd.pushes:
             self._reply(push, {"op": "error", "kind": "protocol",
                                "why": f"tensor {name!r}: rank {push.rank} pushed partition {part} of round {seq} twice"})
             return
         if rnd.error is None:
-            rnd.error = rnd.mismatch(push.rank, sig, wire, count)
+            rnd.error = rnd.mismatch(push.rank, sig, wire_str, count)
             rnd.pushes[push.rank] = push
             if rnd.error is not None:
                 self._fail_round(rnd, "mismatch", rnd.error)
@@ -281,12 +346,17 @@ class Server:
         elif op == "changed":
             self._new_generation(int(msg["generation"]), str(msg.get("why")))
         elif op == "book":
-            self.rank = int(msg["rank"])
-            self.size = len(msg["book"]["workers"])
-            self._new_generation(int(msg["book"]["generation"]), "a new generation began")
+            self._take_book(msg)
 
     def _expire_rounds(self) -> None:
         now = time.monotonic()
+        while self.early and now - self.early[0][0] > self.config.timeout:
+            _, route, msg, frames = self.early.popleft()
+            self.early_bytes -= sum(len(frame) for frame in frames)
+            self._reply(Push(-1, route, msg["req"]), {
+                "op": "error", "kind": "timeout",
+                "why": f"server {self.addr}: no address book of generation {msg['gen']} within "
+                       f"{self.config.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)"})
         for rnd in list(self.rounds.values()):
             if rnd.error is None and now - rnd.created > self.config.timeout:
                 missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
@@ -338,7 +408,7 @@ class Server:
                 route, msg, frames = recv_message(self.sock, routed=True)
                 if msg["op"] == "push":
                     self._on_push(route, msg, frames)
-                elif msg["op"] == "stats":
+                elif msg["op"] == "stats" and route in self.ranks:
                     self._on_stats(route, msg)
                 else:
                     raise ProtocolError(f"unknown op {msg['op']!r}")

@@ -29,6 +29,8 @@ FAST_ENV = {
     "BYTEPS_LOG_LEVEL": "WARNING",
     # A cluster whose test was killed before its workers all started ends by itself.
     "BPS_GOSSIP_START_TIMEOUT": "60",
+    # Every socket authenticated and encrypted, as under bpslaunch (which makes a secret per job).
+    "BPS_GOSSIP_SECRET": "tests-" + "0123456789abcdef" * 2,
 }
 
 PRELUDE = '''

@@ -2,8 +2,9 @@
 
 Each worker sends malformed, oversized-field and spoofed messages (inf, nan, huge ints,
 bools, strings, lists where numbers belong) to the scheduler, to every server and to
-its peer's gossip port, from sockets of its own, then runs a correct push_pull and a
-gossip round and reports whether the results are exact.
+its peer's gossip port, from sockets of its own that hold the job's secret (an insider
+without a place in the address book), then runs a correct push_pull and a gossip round
+and reports whether the results are exact.
 """
 
 import json
@@ -17,7 +18,11 @@ import zmq
 
 import bps_gossip as bps
 from bps_gossip.api import _rt
+from bps_gossip.config import load_config
 from bps_gossip.gossip.averager import GossipAverager
+from bps_gossip.transport.security import make_socket
+
+KEYS = load_config().keys
 
 BAD_VALUES = [math.inf, -math.inf, math.nan, 1e308, -1, (1 << 64) - 1, 1 << 63, True, False, None, "0", "", b"x", [], {}, [1.5],
               "x" * 5000, -(1 << 63)]
@@ -46,8 +51,7 @@ def variants(template, rng):
 
 def attack(address, template, rng, payloads):
     """Send every variant (and some undecodable frames) to ``address``; return how many were sent."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, KEYS, serve=False)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.connect(address)
@@ -64,8 +68,8 @@ def attack(address, template, rng, payloads):
 
 
 def oversized(address, template, count=3):
-    """Messages far above the scheduler's ZMQ_MAXMSGSIZE: the connection drops, nothing is kept."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    """Messages far above the socket's ZMQ_MAXMSGSIZE: the connection drops, nothing is kept."""
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, KEYS, serve=False)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(address)
     for _ in range(count):
@@ -82,7 +86,8 @@ payloads = [[], [b"\x00" * 8], [b"\x00" * 3], [b"\x00" * 8, b"\x00" * 8]]
 sent = attack(os.environ["FUZZ_SCHEDULER"], REGISTER, rng, payloads)
 sent += oversized(os.environ["FUZZ_SCHEDULER"], REGISTER)
 for server in book.servers:
-    sent += attack(server, {**PUSH, "rank": rank}, rng, payloads)
+    sent += attack(server, {**PUSH, "rank": rank, "gen": book.generation}, rng, payloads)
+    sent += oversized(server, PUSH, count=1)  # 64 MiB: above the servers' frame limit too
 peer = (rank + 1) % size
 sent += attack(book.workers[peer]["addr"], {**GOSSIP, "src": rank}, rng, payloads)
 sent += attack(book.workers[peer]["addr"], {**ACK, "src": rank}, rng, payloads)

@@ -31,6 +31,14 @@ def segment_name(job: str) -> str:
     return f"{PREFIX}_{job}_{os.getpid()}_{uuid.uuid4().hex[:10]}"
 
 
+def owner_pid(name: str) -> int | None:
+    """The owner's pid written into a segment name by :func:`segment_name`, or None."""
+    parts = name.split("_")
+    if len(parts) != 4 or parts[0] != PREFIX or not parts[2].isdigit() or len(parts[2]) > 10:
+        return None
+    return int(parts[2])
+
+
 class OwnedSegment:
     """A segment this process created; unlink() removes it for everyone."""
 
@@ -68,6 +76,10 @@ class AttachedSegment:
         # Python registers attachments with the resource tracker too; undo that so that
         # this process's exit never unlinks the owner's segment.
         resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+        owner = os.fstat(self.shm._fd).st_uid  # noqa: SLF001
+        if owner != os.getuid():  # another user's segment that happens to be readable
+            self.shm.close()
+            raise ValueError(f"segment {name!r} belongs to user {owner}, not to this job's user")
         self.name = name
         self.size = self.shm.size
 

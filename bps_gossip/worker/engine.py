@@ -85,7 +85,9 @@ class Engine(GenerationHandling):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("worker", config.log_level)
-        self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        # The routing id on every connection: servers and peers know this worker's rank by it
+        # (from the address book), so it must not be guessable.
+        self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex}".encode()
         self.book: Book | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -112,7 +114,7 @@ class Engine(GenerationHandling):
         self._rejoin: Handle | None = None
         self._commits: dict[int, Handle] = {}
         self._commit_seq = 0
-        self._early_peer: list[tuple[dict[str, Any], list[zmq.Frame]]] = []
+        self._early_peer: list[tuple[bytes, dict[str, Any], list[zmq.Frame]]] = []
         self._sockets_changed = False
         self._stale_grace = 0.0  # graceful change: when pending work of the old generation fails
         self._crashed = False  # told to the scheduler when leaving: a crash rolls an elastic job back
@@ -291,14 +293,14 @@ class Engine(GenerationHandling):
             if not self.peer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
             try:
-                _, msg, frames = recv_message(self.peer, routed=True)
+                route, msg, frames = recv_message(self.peer, routed=True)
                 if msg["op"] == "gossip_ack":
                     if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.channel.generation:
-                        self.channel.on_ack(msg)
+                        self.channel.on_ack(route, msg)
                     continue
                 if msg["op"] != "gossip":
                     raise ProtocolError(f"unknown peer op {msg['op']!r}")
-                self._on_peer(msg, frames)
+                self._on_peer(route, msg, frames)
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 self.log.warning("dropped a malformed peer message: %s", exc)
 
@@ -395,10 +397,10 @@ class Engine(GenerationHandling):
                 self._unacked[req] = server
             op.reqs.add(req)
             header = {
-                "op": "push", "req": req, "rank": self.book.rank, "key": op.key, "name": op.name,
+                "op": "push", "req": req, "key": op.key, "name": op.name,
                 "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
                 "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"], "ack": not small,
-                "gen": self.book.generation, "size": self.book.size,
+                "gen": self.book.generation,
             }
             if op.segment is not None and server in self.shm_servers:
                 header["shm"] = op.segment.name

@@ -27,7 +27,8 @@ from ..errors import (
     ProtocolError,
     WorkersChangedError,
 )
-from ..transport import bind_random_port, recv_message, send_message
+from ..transport import MAX_HEADER_BYTES, bind_random_port, recv_message, send_message
+from ..transport.security import HandshakeWatch, make_socket
 from .handle import Handle
 from .peers import LEFT_GRACE, PeerChannel
 
@@ -54,12 +55,21 @@ class GenerationHandling:
 
     def _register(self) -> None:
         cfg = self.config
-        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched = make_socket(self.ctx, zmq.DEALER, cfg.keys, serve=False)
         self.sched.setsockopt(zmq.LINGER, 0)
         self.sched.setsockopt(zmq.IDENTITY, self.uid)
-        self.sched.connect(cfg.scheduler_address)
-        self.peer = self.ctx.socket(zmq.ROUTER)  # gossip peer channel
+        watch = HandshakeWatch(self.sched)
+        try:
+            self.sched.connect(cfg.scheduler_address)
+            self._await_admission(watch)
+        finally:
+            watch.close()
+
+    def _await_admission(self, watch: HandshakeWatch) -> None:
+        cfg = self.config
+        self.peer = make_socket(self.ctx, zmq.ROUTER, cfg.keys, serve=True)  # gossip peer channel
         self.peer.setsockopt(zmq.LINGER, 0)
+        self.peer.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + MAX_HEADER_BYTES)
         peer_addr = bind_random_port(self.peer, cfg.node_host)
         send_message(self.sched, {
             "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(),
@@ -82,7 +92,8 @@ class GenerationHandling:
                     f"DMLC_NUM_WORKER={cfg.num_worker} x BYTEPS_LOCAL_SIZE workers and "
                     f"DMLC_NUM_SERVER={cfg.num_server} servers started)"
                 )
-            if not self.sched.poll(int(min(left, cfg.heartbeat_interval) * 1000)):
+            watch.check(cfg.keys, f"worker pid {os.getpid()}", cfg.scheduler_address)
+            if not self.sched.poll(int(min(left, cfg.heartbeat_interval, 0.5) * 1000)):
                 if waited:  # a joiner heart-beats while it waits to be admitted
                     send_message(self.sched, {"op": "heartbeat"})
                 continue
@@ -118,7 +129,7 @@ class GenerationHandling:
             for index, addr in enumerate(self.book.servers):
                 if self.segments is not None and addr.rsplit(":", 1)[0] == f"tcp://{cfg.node_host}":
                     self.shm_servers.add(index)
-                sock = self.ctx.socket(zmq.DEALER)
+                sock = make_socket(self.ctx, zmq.DEALER, cfg.keys, serve=False)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IDENTITY, self.uid)
                 # No high-water mark: a full queue would block this thread (no heartbeats, no
@@ -131,7 +142,7 @@ class GenerationHandling:
         if self.channel is not None:
             self.channel.close()
         self.channel = PeerChannel(self.ctx, self.uid, rank, self.book.workers, cfg.timeout, self.log,
-                                   self.book.generation)
+                                   self.book.generation, cfg.keys)
         self.channel.pool = self.segments
         with self._seq_lock:
             self._seqs.clear()  # every rank numbers each name's rounds from 0 in a new generation
@@ -142,18 +153,21 @@ class GenerationHandling:
         self._stale = None
         self._last_sched = time.monotonic()
         early, self._early_peer = self._early_peer, []
-        for peer_msg, frames in early:
-            self._on_peer(peer_msg, frames)
+        for route, peer_msg, frames in early:
+            try:
+                self._on_peer(route, peer_msg, frames)
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                self.log.warning("dropped a malformed peer message: %s", exc)
 
-    def _on_peer(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _on_peer(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         generation = fields.integer(msg, "gen", 0, fields.MAX_INT, 0)
         if generation > self.book.generation:  # the sender has its new book already
             if generation > max(self.book.generation, self._target_gen) + 1 or len(self._early_peer) >= MAX_EARLY:
                 raise ProtocolError(f"gossip for generation {generation} while this worker is in "
                                     f"{self.book.generation}: dropped")
-            self._early_peer.append((msg, frames))
+            self._early_peer.append((route, msg, frames))
         elif generation == self.book.generation:
-            self.channel.on_message(msg, frames)
+            self.channel.on_message(route, msg, frames)
         # else: a round of a generation that ended; nobody waits for it
 
     def _on_scheduler(self, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:

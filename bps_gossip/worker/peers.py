@@ -1,8 +1,9 @@
 """The worker-to-worker channel that gossip runs on, owned by the engine thread.
 
 Every worker binds a ROUTER (its address is in the address book) and opens a DEALER
-to a peer the first time it sends to it. A message is tagged (tag, round, source):
-one that arrives before anybody waits for it is kept for its round, so a fast peer's
+to a peer the first time it sends to it. A message is tagged (tag, round, source),
+and its source is the connection it came on (the routing id the address book gives each
+worker), never a field of the message. One that arrives before anybody waits for it is kept for its round, so a fast peer's
 round t+1 is never mixed into round t. A wait fails with PeerLostError as soon as any
 worker is lost (the job is not elastic), or a peer it needs has left and stayed silent, and with CommTimeoutError,
 naming the ranks that did not send, after BPS_GOSSIP_TIMEOUT.
@@ -27,14 +28,18 @@ import zmq
 from .. import fields
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
-from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool
+from ..transport.security import JobKeys, make_socket
+from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
 from .handle import Handle
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
 MAX_ARRAYS = 1024  # arrays in one gossip message
+MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
+MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
+Filed = tuple[dict[str, Any], list[np.ndarray], int]  # a message and the bytes it holds
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,16 +57,19 @@ class PeerChannel:
     """Sends to and collects from other workers; every method runs on the engine thread."""
 
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
-                 timeout: float, log: Any, generation: int = 0) -> None:
+                 timeout: float, log: Any, generation: int = 0, keys: JobKeys | None = None) -> None:
         self.ctx = ctx
         self.uid = uid
+        self.keys = keys
         self.rank = rank
         self.workers = workers
+        self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(workers)}
+        self.pending: dict[int, list[int]] = {}  # source -> [messages, bytes] nobody waits for yet
         self.timeout = timeout
         self.log = log
         self.generation = generation  # stamped on every message: a new generation ignores old rounds
         self.dealers: dict[int, zmq.Socket] = {}
-        self.inbox: dict[tuple[str, int], dict[int, Message]] = {}
+        self.inbox: dict[tuple[str, int], dict[int, Filed]] = {}
         self.waits: list[PeerWait] = []
         self.lost: dict[int, str] = {}
         self.left: dict[int, tuple[str, float]] = {}
@@ -83,7 +91,7 @@ class PeerChannel:
         (pool key, segment, byte offsets), only the header of arrays already in the segment."""
         if not 0 <= dst < len(self.workers) or dst == self.rank:
             raise ValueError(f"gossip: rank {dst} is not a peer of rank {self.rank} (size {len(self.workers)})")
-        header = {**header, "op": "gossip", "src": self.rank, "gen": self.generation,
+        header = {**header, "op": "gossip", "gen": self.generation,
                   "dtypes": [a.dtype.str for a in arrays], "counts": [int(a.size) for a in arrays]}
         if staged is None:
             self._send(dst, header, [np.ascontiguousarray(a) for a in arrays])
@@ -95,24 +103,32 @@ class PeerChannel:
     def ack(self, dst: int, segment: str) -> None:
         """Tell worker ``dst`` that its segment ``segment`` was read and may be reused."""
         if 0 <= dst < len(self.workers) and dst != self.rank:
-            self._send(dst, {"op": "gossip_ack", "src": self.rank, "gen": self.generation, "shm": segment}, [])
+            self._send(dst, {"op": "gossip_ack", "gen": self.generation, "shm": segment}, [])
 
     def unread(self) -> int:
         """How many of our shared-memory messages peers that are still here have not read."""
         return sum(1 for dst, _, _ in self.in_flight.values() if dst not in self.lost and dst not in self.left)
 
-    def on_ack(self, msg: dict[str, Any]) -> None:
+    def sender(self, route: bytes) -> int:
+        """The rank of the worker whose connection ``route`` is; ProtocolError for any other."""
+        src = self.ranks.get(route)
+        if src is None or src == self.rank:
+            raise ProtocolError(f"a message from {route[:64]!r}, which is no peer of generation {self.generation}")
+        return src
+
+    def on_ack(self, route: bytes, msg: dict[str, Any]) -> None:
         """A peer read one of our segments: it goes back to the pool."""
+        src = self.sender(route)
         entry = self.in_flight.get(fields.text(msg, "shm", 256))
-        if entry is None or entry[0] != fields.integer(msg, "src", 0, len(self.workers) - 1):
-            raise ProtocolError(f"gossip_ack for a segment rank {msg.get('src')} was not sent: {msg['shm']!r}")
+        if entry is None or entry[0] != src:
+            raise ProtocolError(f"gossip_ack for a segment rank {src} was not sent: {msg['shm']!r}")
         del self.in_flight[str(msg["shm"])]
         self.pool.release(entry[1], entry[2])
 
     def _send(self, dst: int, header: dict[str, Any], frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = make_socket(self.ctx, zmq.DEALER, self.keys, serve=False)
             sock.setsockopt(zmq.IDENTITY, self.uid)
             sock.setsockopt(zmq.LINGER, 2000)  # let the last round reach its peers after shutdown
             sock.connect(self.workers[dst]["addr"])
@@ -120,20 +136,26 @@ class PeerChannel:
         send_message(sock, header, frames)
 
     # -- receiving ----------------------------------------------------------------
-    def on_message(self, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        """File one incoming message under its (tag, round, source)."""
+    def on_message(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        """File one incoming message from connection ``route`` under its (tag, round, source)."""
+        src = self.sender(route)
         tag, rnd = fields.text(msg, "tag", 256), fields.integer(msg, "round", 0, 1 << 62)
-        src = fields.integer(msg, "src", 0, len(self.workers) - 1)
         dtypes = fields.strings(msg, "dtypes", MAX_ARRAYS, 16)
         counts = fields.integers(msg, "counts", MAX_ARRAYS, 0, 1 << 40)
         if "shm" in msg:
             arrays = self._shared_arrays(src, msg, dtypes, counts)
         else:
             arrays = self._frame_arrays(src, frames, dtypes, counts)
-        box = self.inbox.setdefault((tag, rnd), {})
+        box = self.inbox.get((tag, rnd), {})
         if src in box:
             raise ProtocolError(f"rank {src} sent round {rnd} of {tag!r} twice")
-        box[src] = (msg, arrays)
+        count, nbytes = self.pending.setdefault(src, [0, 0])
+        size = sum(len(frame) for frame in frames)
+        if count >= MAX_PENDING or nbytes + size > MAX_PENDING_BYTES:
+            raise ProtocolError(f"rank {src} has {count} gossip messages ({nbytes} bytes) nobody waits for: "
+                                f"round {rnd} of {tag!r} dropped")
+        self.pending[src] = [count + 1, nbytes + size]
+        self.inbox.setdefault((tag, rnd), box)[src] = (msg, arrays, size)
         self._complete((tag, rnd))
 
     @staticmethod
@@ -157,6 +179,8 @@ class PeerChannel:
             raise ProtocolError(f"gossip message from rank {src}: {len(dtypes)} dtypes, {len(counts)} counts, "
                                 f"{len(offsets)} offsets")
         name = fields.text(msg, "shm", 256)
+        if owner_pid(name) != self.workers[src].get("pid"):
+            raise ProtocolError(f"gossip message from rank {src} names segment {name!r}, which is not its own")
         try:
             arrays = []
             for dtype, count, offset in zip(dtypes, counts, offsets, strict=True):
@@ -184,9 +208,15 @@ class PeerChannel:
         for wait in list(self.waits):
             if (wait.tag, wait.rnd) == key and wait.sources <= box.keys():
                 self.waits.remove(wait)
-                wait.handle.set_result({src: box.pop(src) for src in wait.sources})
+                wait.handle.set_result({src: self._claim(box, src) for src in wait.sources})
         if not box:
             del self.inbox[key]
+
+    def _claim(self, box: dict[int, Filed], src: int) -> Message:
+        msg, arrays, size = box.pop(src)
+        self.pending[src][0] -= 1
+        self.pending[src][1] -= size
+        return msg, arrays
 
     # -- failures -----------------------------------------------------------------
     def on_worker_gone(self, rank: int, how: str, why: str) -> None:

@@ -1,0 +1,122 @@
+"""Authentication and encryption of every socket: ZeroMQ CURVE keys from the job's secret.
+
+Every process of a job derives the same two key pairs from BPS_GOSSIP_SECRET (or the
+file BPS_GOSSIP_SECRET_FILE names): one that every bound socket serves with, one that
+every connecting socket presents. A ZAP handler (pyzmq's authenticator thread) admits
+only the job's client key, so a process without the secret completes no handshake:
+nothing it sends reaches a receive loop. Traffic is encrypted (CurveZMQ: Curve25519,
+XSalsa20-Poly1305). Without a secret, sockets are plain, as in BytePS and ps-lite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from ..errors import ConfigError
+
+MIN_SECRET_CHARS = 16
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKeys:
+    """The job's CURVE key pairs (Z85 text, as libzmq takes them)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret: str) -> JobKeys:
+        """Derive both key pairs from ``secret`` (the same on every process of a job)."""
+        if len(secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"BPS_GOSSIP_SECRET has {len(secret)} characters; use at least {MIN_SECRET_CHARS} "
+                              "(bpslaunch makes one: python -c 'import secrets; print(secrets.token_hex(32))')")
+        pairs = []
+        for role in (b"bpsg-server", b"bpsg-client"):
+            raw = hashlib.blake2b(secret.encode(), person=role, digest_size=32).digest()
+            private = z85.encode(raw)
+            pairs.append((zmq.curve_public(private), private))
+        (server_public, server_secret), (client_public, client_secret) = pairs
+        return cls(server_public, server_secret, client_public, client_secret)
+
+
+class _JobKeyOnly:
+    """ZAP credentials check: the job's client key, nothing else."""
+
+    def __init__(self, keys: JobKeys) -> None:
+        self.allowed = keys.client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.allowed
+
+
+_authenticators: dict[int, tuple[ThreadAuthenticator, JobKeys]] = {}
+_lock = threading.Lock()
+
+
+def _authenticate(ctx: zmq.Context, keys: JobKeys) -> None:
+    """Start the context's ZAP handler once (every bound socket of a context shares it)."""
+    with _lock:
+        running = _authenticators.get(id(ctx))
+        if running is not None:
+            if running[1] != keys:
+                raise ConfigError("one process cannot serve two jobs with different secrets")
+            return
+        auth = ThreadAuthenticator(ctx, log=None)
+        auth.start()
+        auth.configure_curve_callback("*", _JobKeyOnly(keys))
+        _authenticators[id(ctx)] = (auth, keys)
+
+
+def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) -> zmq.Socket:
+    """A socket of ``kind``; with ``keys``, CURVE-secured as a server (``serve``: it binds) or
+    as a client (it connects). Call before bind/connect."""
+    sock = ctx.socket(kind)
+    if keys is None:
+        return sock
+    if serve:
+        _authenticate(ctx, keys)
+        sock.curve_server = True
+        sock.curve_secretkey = keys.server_secret
+    else:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+    return sock
+
+
+class HandshakeWatch:
+    """Notices a failed security handshake on a connecting socket (a secret that differs
+    from the job's, or one side without a secret), so that registration can say so at once
+    instead of waiting out a timeout."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.sock = sock
+
+    def check(self, keys: JobKeys | None, who: str, address: str) -> None:
+        """Raise ConfigError if a handshake with ``address`` failed (non-blocking)."""
+        if not self.monitor.poll(0):
+            return
+        if keys is None:
+            why = "it has no secret and the job has one: set BPS_GOSSIP_SECRET (or BPS_GOSSIP_SECRET_FILE)"
+        else:
+            why = "its BPS_GOSSIP_SECRET is not the job's (or the job runs without one)"
+        raise ConfigError(f"{who}: the secure handshake with {address} failed: {why}")
+
+    def close(self) -> None:
+        """Stop watching."""
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
