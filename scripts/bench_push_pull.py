@@ -3,6 +3,7 @@
     /tmp/venv/bin/python scripts/bench_push_pull.py --quick
     /tmp/venv/bin/python scripts/bench_push_pull.py --json push_pull.json
     /tmp/venv/bin/python scripts/bench_push_pull.py --sizes 4K,64M --configs 2w1s,2w2s
+    /tmp/venv/bin/python scripts/bench_push_pull.py --curve --sizes 4K,1M,16M --configs 2w1s
     sudo /tmp/venv/bin/python scripts/bench_push_pull.py --netns 1000 --slow worker3=100 --configs 4w1s
 
 For each cluster configuration every system runs its own scheduler, servers and
@@ -24,6 +25,7 @@ KVStore as a side effect), so every pass refills its inputs before the timer sta
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import tempfile
 import time
@@ -57,15 +59,25 @@ REFERENCE = "mxnet dist_sync"
 RANK_STRIDE = 4096.0  # per-rank offset of the fill values; all sums stay exact in float32
 
 
-def systems(separate_hosts: bool = False) -> list[System]:
-    """The columns, ours first. A data-path variant of ours is one more line here."""
+def systems(separate_hosts: bool = False, curve: bool = False) -> list[System]:
+    """The columns, ours first. A data-path variant of ours is one more line here.
+
+    Ours runs with a job secret (CURVE on every socket), as under bpslaunch; ``curve`` adds
+    TCP lines with and without it, which is what authentication and encryption cost.
+    """
+    secret = {"BPS_GOSSIP_SECRET": secrets.token_hex(32)}
     if separate_hosts:  # every process on its own host: shared memory never applies
-        ours = [System("ours (tcp)", "bps")]
+        ours = [System("ours (tcp)", "bps", secret)]
     elif shm_understood():
-        ours = [System("ours (shm on)", "bps", {"BPS_GOSSIP_SHM": "1"}),
-                System("ours (shm off)", "bps", {"BPS_GOSSIP_SHM": "0"})]
+        ours = [System("ours (shm on)", "bps", {"BPS_GOSSIP_SHM": "1", **secret}),
+                System("ours (shm off)", "bps", {"BPS_GOSSIP_SHM": "0", **secret})]
     else:
-        ours = [System("ours", "bps")]
+        ours = [System("ours", "bps", secret)]
+    if curve:
+        shm = {} if separate_hosts else {"BPS_GOSSIP_SHM": "0"}
+        ours = [line for line in ours if line.name not in ("ours (tcp)", "ours (shm off)")]
+        ours += [System("ours (tcp, CURVE)", "bps", {**shm, **secret}),
+                 System("ours (tcp, no secret)", "bps", {**shm, "BPS_GOSSIP_SECRET": ""})]
     return [*ours, System(REFERENCE, "mxnet")]
 
 
@@ -273,6 +285,8 @@ def parse_args() -> argparse.Namespace:
                              "(0: unlimited); needs root (scripts/netns.py)")
     parser.add_argument("--slow", action="append", default=[], metavar="HOST=MBIT",
                         help="with --netns: a slower link for one host, e.g. worker3=100 (repeatable)")
+    parser.add_argument("--curve", action="store_true",
+                        help="add TCP lines with and without a job secret (what CURVE costs)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
     parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -310,7 +324,7 @@ def main() -> int:
     if args.worker_kind:
         return worker_main(args.worker_kind)
     install_sigterm_handler()
-    columns = systems(separate_hosts=args.netns is not None)
+    columns = systems(separate_hosts=args.netns is not None, curve=args.curve)
     notes = [n for n in [horovod_note()] if n]
     if not shm_understood() and args.netns is None:
         notes.append("BPS_GOSSIP_SHM not understood by bps_gossip yet: one 'ours' column")

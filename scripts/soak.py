@@ -177,7 +177,7 @@ def main() -> int:
     warm = samples[min(1, len(samples) - 1)]
     last = samples[-1]
     print("growth from the sample at minute", f"{args.interval * min(1, len(samples) - 1) / 60:.1f}", "to the last:")
-    for label, first, end in zip(labels, warm, last):
+    for label, first, end in zip(labels, warm, last, strict=True):
         if first is not None and end is not None:
             print(f"  {label:>9}: {first:7.1f} -> {end:7.1f} MiB ({end - first:+.1f})")
     return 0 if all(code == 0 for code in codes.values()) and len(results) == 3 else 1
