@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
+TRAINER_MODES = ("gossip", "allreduce")  # the first is the default
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -55,6 +56,7 @@ class Config:
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
     start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
+    mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP) or allreduce (BytePS)
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
 
@@ -122,6 +124,16 @@ def _job_keys(env: Mapping[str, str]) -> JobKeys | None:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"BPS_GOSSIP_SECRET_FILE={path!r} cannot be read: {exc}") from None
     return None if secret is None else JobKeys.from_secret(secret)
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (case-insensitive); the first when unset."""
+    raw = _get(env, name)
+    if raw is None:
+        return choices[0]
+    if raw.lower() not in choices:
+        raise ConfigError(f"{name}={raw!r} must be one of {', '.join(choices)}")
+    return raw.lower()
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -242,6 +254,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         max_workers=max_workers,
         elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
+        mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),
     )

@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from typing import IO
 
-from .config import load_config
+from .config import TRAINER_MODES, load_config
 from .errors import ConfigError
 from .launch_elastic import (
     ElasticOptions,
@@ -402,6 +402,9 @@ slot's last worker exited 0, else the failed worker's code or the scheduler's (1
                              "and servers (none when N is 1, unless BYTEPS_FORCE_DISTRIBUTED=1)")
     parser.add_argument("--num-servers", type=int, metavar="S",
                         help="local mode: the number of servers (default 1)")
+    parser.add_argument("--mode", choices=TRAINER_MODES,
+                        help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
+                             "(SGP, the default) or allreduce (BytePS's gradient averaging)")
     elastic = parser.add_argument_group("elastic jobs (local mode)")
     elastic.add_argument("--min-np", type=int, metavar="A",
                          help="elastic: the job fails when fewer than A workers remain for longer than "
@@ -429,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     elastic = ElasticOptions(args.min_np, args.max_np, args.reset_limit, args.elastic_timeout)
+    if args.mode is not None:  # every child inherits it, whichever way the job is launched
+        os.environ["BPS_GOSSIP_MODE"] = args.mode
     try:
         if args.join:
             if args.num_proc is not None or args.num_servers is not None or elastic != ElasticOptions():

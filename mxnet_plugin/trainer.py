@@ -22,7 +22,7 @@ from .parameters import (
     is_initialized,
 )
 
-MODES = ("gossip", "allreduce")
+MODES = core.config.TRAINER_MODES
 
 
 def _given_params(params: Any) -> list[mx.gluon.Parameter]:
@@ -47,7 +47,9 @@ class DistributedTrainer(mx.gluon.Trainer):
     initialization in the first forward. ``step(batch_size)`` takes the per-worker
     batch size in both modes.
 
-    ``mode='gossip'`` (default): Stochastic Gradient Push. Each step applies the local
+    ``mode`` defaults to BPS_GOSSIP_MODE (``bpslaunch --mode``), else ``'gossip'``.
+
+    ``mode='gossip'``: Stochastic Gradient Push. Each step applies the local
     optimizer update (momentum and other optimizer state stay local), then mixes the
     parameters with this round's peers on ``graph`` (npdde, dde, bipartite-exp, linear,
     bipartite-linear, ring; ``peers_per_itr`` peers per round). ``push_sum=False``
@@ -68,9 +70,11 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,
-                 compression_params: dict | None = None, mode: str = "gossip", graph: str = "npdde",
+                 compression_params: dict | None = None, mode: str | None = None, graph: str = "npdde",
                  peers_per_itr: int = 1, push_sum: bool = True, overlap: bool = False, synch_freq: int = 0,
                  average_every: int = 0, overlap_backward: bool | None = None) -> None:
+        if mode is None:
+            mode = core.load_config().mode  # BPS_GOSSIP_MODE, or bpslaunch --mode
         if mode not in MODES:
             raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {MODES}")
         if compression_params:

@@ -180,6 +180,9 @@ BAD = [
     ("BPS_GOSSIP_PORT", "65536", {}),
     ("BPS_GOSSIP_PORT", "any", {}),
     ("BPS_GOSSIP_SHM", "sometimes", {}),
+    ("BPS_GOSSIP_MODE", "fast", {}),
+    ("BPS_GOSSIP_MAX_MESSAGE_BYTES", "1000", {}),
+    ("BPS_GOSSIP_SECRET_FILE", "/nonexistent/secret", {}),
 ]
 
 
@@ -195,3 +198,26 @@ def test_bad_value_names_the_variable(var, value, extra):
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         load_config({"DMLC_NUM_WORKER": "abc"})
+
+
+def test_mode_and_secret():
+    assert load_config({}).mode == "gossip" and load_config({"BPS_GOSSIP_MODE": " AllReduce "}).mode == "allreduce"
+    assert load_config({}).keys is None
+    keys = load_config({"BPS_GOSSIP_SECRET": "s" * 16}).keys
+    assert keys is not None and keys == load_config({"BPS_GOSSIP_SECRET": "s" * 16}).keys
+    assert keys != load_config({"BPS_GOSSIP_SECRET": "t" * 16}).keys
+    assert "s" * 16 not in repr(load_config({"BPS_GOSSIP_SECRET": "s" * 16}))
+
+
+def test_secret_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("u" * 20 + "\nignored\n")
+    assert load_config({"BPS_GOSSIP_SECRET_FILE": str(path)}).keys == load_config({"BPS_GOSSIP_SECRET": "u" * 20}).keys
+
+
+@pytest.mark.parametrize("env", [{"BPS_GOSSIP_SECRET": "short"},
+                                 {"BPS_GOSSIP_SECRET": "s" * 16, "BPS_GOSSIP_SECRET_FILE": "/x"}])
+def test_bad_secret_is_named_but_never_shown(env):
+    with pytest.raises(ConfigError) as info:
+        load_config(env)
+    assert "BPS_GOSSIP_SECRET" in str(info.value) and "short" not in str(info.value)

@@ -172,6 +172,15 @@ def test_single_worker_runs_alone_and_keeps_its_flags(job, separator):
 
 
 @pytest.mark.timeout(30)
+def test_mode_flag_sets_the_trainer_default(job):
+    body = "from bps_gossip import load_config; print('MODE', load_config().mode)\n"
+    code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, job.script(body)]))
+    assert code == 0 and out.count("MODE allreduce") == 2, out + err
+    code, out, err = job.finish(job.start(["--mode", "fast", "-np", "2", sys.executable, job.script(body)]))
+    assert code == 2 and "invalid choice: 'fast'" in err, out + err
+
+
+@pytest.mark.timeout(30)
 def test_failing_worker_stops_the_job(job):
     body = """
     import os, sys, time, bps_gossip as bps
