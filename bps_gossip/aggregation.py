@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import fields
+from .compression import Codec
 
 RoundId = tuple[int, int, int, int]  # (generation, key, partition, round number)
 SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
@@ -40,9 +41,12 @@ class Round:
     """Accumulates the pushes of one partition of one tensor for one round."""
 
     def __init__(
-        self, rid: RoundId, name: str, sig: dict[str, Any], wire: str, count: int, expected: int
+        self, rid: RoundId, name: str, sig: dict[str, Any], wire: str, count: int, expected: int,
+        codec: Codec | None = None,
     ) -> None:
         self.rid = rid
+        self.codec = codec  # compressed pushes: decompressed into a float32 sum, compressed once at the end
+        self.merge: tuple[bool, int | None] = (False, None)  # the codec's (error feedback, seed)
         self.expected = expected
         self.name = name
         self.sig = sig
@@ -73,6 +77,8 @@ class Round:
     def add(self, payload: memoryview | bytes | np.ndarray) -> bool:
         """Add one payload into the accumulator; return True when this was the last one."""
         data = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=self.wire, count=self.count)
+        if self.codec is not None:
+            data = self.codec.decompress(data)
         with self.lock:
             if self.acc is None:
                 self.acc = data.copy()

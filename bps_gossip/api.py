@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .compression import CompressionSpec, PartitionState, compress_on_worker, rng_for
 from .config import Config, load_config
 from .errors import ConfigError, NotInitializedError
 from .worker.engine import Engine, Operation
@@ -34,6 +35,8 @@ class _Runtime:
     generation: int
     declared: dict[str, int] = dataclasses.field(default_factory=dict)
     keys: dict[int, str] = dataclasses.field(default_factory=dict)
+    # compressed push_pulls: each (name, partition)'s momentum and error feedback
+    compression_state: dict[tuple[str, int], PartitionState] = dataclasses.field(default_factory=dict)
 
 
 _runtime: _Runtime | None = None
@@ -163,8 +166,46 @@ def _submit(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, send
     return handle
 
 
+def _submit_compressed(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, out: np.ndarray,
+                       spec: CompressionSpec, priority: int, finish: Any, what: str) -> Handle:
+    """Compress every partition here (momentum, error feedback: per-partition state kept by
+    the runtime), push the bytes, and decompress the merged bytes into ``out`` at the end."""
+    engine = runtime.engine
+    seq = engine.next_seq(name)
+    flat = np.ascontiguousarray(array).reshape(-1)
+    elements = partitions(array.size, array.dtype.itemsize, runtime.config.partition_bytes)
+    codecs, chunks, parts, offset = [], [], [], 0
+    for index, (start, count) in enumerate(elements):
+        codec = spec.codec(count)
+        state = runtime.compression_state.setdefault((name, index), PartitionState())
+        chunks.append(compress_on_worker(spec, codec, flat[start:start + count], state, rng_for(spec.seed, index, seq, 0)))
+        codecs.append((codec, spec.header(count)))
+        parts.append((offset, codec.nbytes))
+        offset += codec.nbytes
+    send = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+    merged = np.empty_like(send)
+    result = out.reshape(-1)
+
+    def decompress() -> None:
+        for (start, count), (codec, _), (at, nbytes) in zip(elements, codecs, parts, strict=True):
+            result[start:start + count] = codec.decompress(merged[at:at + nbytes])
+        if finish is not None:
+            finish()
+
+    handle = Handle(what)
+    op = Operation(
+        handle=handle, name=name, key=declare(name), seq=seq,
+        sig={"dtype": str(array.dtype), "shape": list(array.shape), "kind": sig_kind},
+        send=send, out=merged, result=out, parts=parts, priority=int(priority), finish=decompress,
+        codecs=[header for _, header in codecs],
+    )
+    engine.submit("op", op)
+    return handle
+
+
 def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
-                    version: int = 0, out: np.ndarray | None = None, layout: str | None = None) -> Handle:
+                    version: int = 0, out: np.ndarray | None = None, layout: str | None = None,
+                    compression: CompressionSpec | None = None) -> Handle:
     """Start a push_pull of ``array`` under ``name``; return a handle for ``synchronize``.
 
     Every worker pushes its array; each gets the sum (or the mean with ``average``; for
@@ -173,7 +214,9 @@ def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority
     handle completes. ``version`` is accepted for BytePS compatibility and not used:
     rounds are matched by how many times each rank has used the name. ``layout``
     describes what a flat array is made of (fused tensors): ranks must agree on it too,
-    and a mismatch error shows it.
+    and a mismatch error shows it. ``compression`` compresses each partition of a float
+    tensor of at least BYTEPS_MIN_COMPRESS_BYTES as BytePS does (see bps_gossip.compression):
+    the result is then the decompressed, compressed sum, the same on every rank.
     """
     runtime = _rt("push_pull")
     check_name(name, "push_pull")
@@ -195,14 +238,18 @@ def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority
             divide(out, out.dtype.type(size), out=out)
 
     kind = "mean" if average else "sum"
+    if compression is not None and array.dtype.kind == "f" and array.nbytes >= runtime.config.min_compress_bytes:
+        return _submit_compressed(runtime, name, f"{kind} compressed {compression.describe()}", array, out,
+                                  compression, priority, finish, what)
     return _submit(runtime, name, kind if layout is None else f"{kind} of {layout}", array, send, out,
                    array.dtype, priority, finish, what)
 
 
 def push_pull(array: np.ndarray, name: str, average: bool = True, priority: int = 0,
-              version: int = 0, out: np.ndarray | None = None, layout: str | None = None) -> np.ndarray:
+              version: int = 0, out: np.ndarray | None = None, layout: str | None = None,
+              compression: CompressionSpec | None = None) -> np.ndarray:
     """Blocking push_pull: the sum (or mean) of ``array`` over all workers. See push_pull_async."""
-    return synchronize(push_pull_async(array, name, average, priority, version, out, layout))
+    return synchronize(push_pull_async(array, name, average, priority, version, out, layout, compression))
 
 
 def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,

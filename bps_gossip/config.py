@@ -45,7 +45,7 @@ class Config:
     server_engine_threads: int = 2
     log_level: str = "WARNING"
     force_distributed: bool = False
-    min_compress_bytes: int = 0
+    min_compress_bytes: int = 65536  # BytePS's default: smaller tensors go uncompressed
     timeout: float = 60.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
@@ -243,7 +243,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
         log_level=log_level,
         force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
-        min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 0, minimum=0),
+        min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
         timeout=_float(env, "BPS_GOSSIP_TIMEOUT", 60.0),
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,

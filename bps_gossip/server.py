@@ -33,6 +33,7 @@ import zmq
 
 from . import fields
 from .aggregation import Push, Round, RoundId, validate_push
+from .compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
 from .logs import get_logger
@@ -79,6 +80,7 @@ class Server:
         self.done: queue.SimpleQueue[tuple[RoundId, str | None]] = queue.SimpleQueue()
         self.rounds: dict[RoundId, Round] = {}
         self.names: dict[int, str] = {}
+        self.feedback: dict[tuple[int, int], PartitionState] = {}  # compressed tensors' server-side error
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
         self.parts_seen: dict[int, set[int]] = {}
         self.rounds_done = 0
@@ -180,6 +182,15 @@ class Server:
         self.rounds.pop(rnd.rid, None)
         if rnd.error is not None:
             return
+        if rnd.codec is not None:  # one compression of the sum; every worker gets the same bytes
+            ef, seed = rnd.merge
+            generation, key, part, seq = rnd.rid
+            state = self.feedback.setdefault((key, part), PartitionState())
+            result = merge_on_server(ef, rnd.codec, rnd.acc, state, rng_for(seed, part, seq, 1))
+            for push in rnd.pushes.values():
+                self._reply(push, {"op": "result"}, (result,))
+            self.rounds_done += 1
+            return
         for push in rnd.pushes.values():
             if push.region is not None:  # the sum is already in its region (write_back)
                 self._reply(push, {"op": "result", "shm": True})
@@ -216,6 +227,11 @@ class Server:
                 sig, wire_str, count = validate_push(msg, len(payload) if payload is not None else 0)
             key, part = fields.integer(msg, "key"), fields.integer(msg, "part", 0, 1 << 32)
             seq, name = fields.integer(msg, "seq"), fields.text(msg, "name", 1024)
+            codec = None
+            if "codec" in msg:
+                if "shm" in msg or np.dtype(wire_str) != np.uint8:
+                    raise ProtocolError("compressed pushes come as uint8 frames")
+                codec, ef, seed = codec_from_header(msg, count)
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             self._reply(push, {"op": "error", "kind": "protocol", "why": f"malformed push: {exc}"})
             return
@@ -249,7 +265,9 @@ class Server:
         rid = (generation, key, part, seq)
         rnd = self.rounds.get(rid)
         if rnd is None:
-            rnd = self.rounds[rid] = Round(rid, name, sig, wire_str, count, size)
+            rnd = self.rounds[rid] = Round(rid, name, sig, wire_str, count, size, codec)
+            if codec is not None:
+                rnd.merge = (ef, seed)
         elif push.rank in rnd.pushes:
             self._reply(push, {"op": "error", "kind": "protocol",
                                "why": f"tensor {name!r}: rank {push.rank} pushed partition {part} of round {seq} twice"})

@@ -19,7 +19,7 @@ def test_defaults():
     assert config.node_host == "127.0.0.1" and config.local_rank == 0 and config.local_size == 1
     assert config.partition_bytes == 4096000 and config.scheduling_credit == 4
     assert config.server_engine_threads == 2 and config.log_level == "WARNING"
-    assert config.force_distributed is False and config.min_compress_bytes == 0
+    assert config.force_distributed is False and config.min_compress_bytes == 65536
     assert config.timeout == 60.0 and config.heartbeat_interval == 1.0 and config.heartbeat_timeout == 10.0
     assert config.port == 0 and config.shm is True
     assert config.distributed is False  # one worker runs alone, without scheduler or servers

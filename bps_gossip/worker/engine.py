@@ -77,6 +77,7 @@ class Operation:
     deadline: float = 0.0
     reqs: set[int] = dataclasses.field(default_factory=set)
     segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
+    codecs: list[dict[str, Any]] | None = None  # compressed: each partition's codec, for the server
 
 
 class Engine(GenerationHandling):
@@ -143,7 +144,7 @@ class Engine(GenerationHandling):
     def stage(self, op: Operation) -> None:
         """Copy ``op``'s payload into shared memory if any of its partitions goes to a server
         on this host (runs in the caller's thread, so the engine thread stays free)."""
-        if not self.shm_servers:
+        if not self.shm_servers or op.codecs is not None:  # compressed payloads go as frames
             return
         nservers = len(self.book.servers)
         if not any((op.key + i) % nservers in self.shm_servers for i in range(len(op.parts))):
@@ -402,6 +403,8 @@ class Engine(GenerationHandling):
                 "dtype": op.sig["dtype"], "shape": op.sig["shape"], "kind": op.sig["kind"], "ack": not small,
                 "gen": self.book.generation,
             }
+            if op.codecs is not None:
+                header["codec"] = op.codecs[index]
             if op.segment is not None and server in self.shm_servers:
                 header["shm"] = op.segment.name
                 header["offset"] = offset * op.send.dtype.itemsize

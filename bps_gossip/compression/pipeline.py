@@ -1,0 +1,163 @@
+"""Where compression runs, as in BytePS: per partition, on workers and on the server.
+
+Worker, for each partition of a large enough float tensor: Nesterov momentum
+(``m = mu*m + g; g = g + mu*m``), then error feedback (``p = g + e; c = C(p);
+e = p - D(c)``), then the compressor. Server: decompress every push, sum, error feedback
+on the sum when enabled, compress the merged result once; every worker gets the same
+bytes and decompresses them. So each rank sees ``D(C_s(EF_s(sum_i D(C_i(EF_i(mom_i(g_i)))))))``.
+
+Error feedback here has no learning-rate correction (BytePS rescales the error by the
+ratio of the last two learning rates, read from a file): with a constant learning rate
+the two are the same.
+
+Random draws (randomk, dithering) use ``default_rng([seed, partition, round, role])``:
+with a seed every worker draws the same sequence as BytePS's seeded workers do (role 0)
+and the server its own (role 1); without one, fresh entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import fields
+from ..errors import ProtocolError
+from .codecs import CODECS, MAX_LEVELS_BITS, Codec, Dithering, OneBit, RandomK, TopK
+
+MAX_PARTITION_ELEMENTS = 1 << 26  # what a server decompresses one push into: at most 256 MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSpec:
+    """A validated compression setting (BytePS's compression_params)."""
+
+    compressor: str
+    k: float = 1.0  # topk, randomk: elements kept (below 1: a fraction); dithering: levels
+    scaling: bool = False  # onebit
+    ef: bool = False  # vanilla error feedback
+    momentum: float | None = None  # Nesterov momentum mu, applied before compression
+    seed: int | None = None
+    natural: bool = False  # dithering partition: linear or natural
+    l2: bool = False  # dithering normalize: max or l2
+
+    def __post_init__(self) -> None:
+        if self.compressor not in CODECS:
+            raise ValueError(f"compressor {self.compressor!r} is not one of {', '.join(CODECS)}")
+        if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not self.k > 0 \
+                or not np.isfinite(self.k):
+            raise ValueError(f"k={self.k!r} must be a positive number")
+        if self.compressor == "dithering" and (self.k != int(self.k) or not 1 <= self.k <= MAX_LEVELS_BITS):
+            raise ValueError(f"dithering: k={self.k!r} levels must be an integer in [1, {MAX_LEVELS_BITS}]")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum mu={self.momentum!r} must be in [0, 1)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r} must be a non-negative integer")
+
+    def count(self, n: int) -> int:
+        """topk/randomk: the elements kept of a partition of ``n``."""
+        kept = int(self.k * n) if self.k < 1 else int(self.k)
+        return max(1, min(kept, n))
+
+    def codec(self, n: int) -> Codec:
+        """The codec of one partition of ``n`` elements."""
+        if self.compressor == "onebit":
+            return OneBit(n, self.scaling)
+        if self.compressor == "topk":
+            return TopK(n, self.count(n))
+        if self.compressor == "randomk":
+            return RandomK(n, self.count(n))
+        return Dithering(n, int(self.k), self.natural, self.l2)
+
+    def header(self, n: int) -> dict[str, Any]:
+        """What a push tells the server about its partition's compression."""
+        codec = self.codec(n)
+        return {"name": self.compressor, "n": n, "k": getattr(codec, "k", getattr(codec, "s", 0)),
+                "scaling": self.scaling, "ef": self.ef, "seed": self.seed, "natural": self.natural, "l2": self.l2}
+
+    def describe(self) -> str:
+        """Text for signatures and errors: ranks must agree on it."""
+        parts = [self.compressor, f"k={self.k:g}"]
+        parts += [name for name, on in (("scaling", self.scaling), ("ef", self.ef), ("natural", self.natural),
+                                        ("l2", self.l2)) if on]
+        if self.momentum is not None:
+            parts.append(f"nesterov={self.momentum:g}")
+        if self.seed is not None:
+            parts.append(f"seed={self.seed}")
+        return " ".join(parts)
+
+
+def rng_for(seed: int | None, part: int, rnd: int, role: int) -> np.random.Generator:
+    """The generator of one partition's round (see the module docstring)."""
+    return np.random.default_rng(None if seed is None else [seed, part, rnd, role])
+
+
+@dataclasses.dataclass
+class PartitionState:
+    """A worker's (or a server's) memory for one partition: momentum and error."""
+
+    momentum: np.ndarray | None = None
+    error: np.ndarray | None = None
+
+
+def compress_on_worker(spec: CompressionSpec, codec: Codec, grad: np.ndarray, state: PartitionState,
+                       rng: np.random.Generator) -> np.ndarray:
+    """Momentum, error feedback and compression of one partition; returns the bytes to push."""
+    g = np.asarray(grad, dtype=np.float32).copy()
+    if spec.momentum is not None:
+        if state.momentum is None:
+            state.momentum = np.zeros_like(g)
+        state.momentum *= np.float32(spec.momentum)
+        state.momentum += g
+        g += np.float32(spec.momentum) * state.momentum
+    return _with_feedback(spec.ef, codec, g, state, rng)
+
+
+def merge_on_server(ef: bool, codec: Codec, total: np.ndarray, state: PartitionState,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Error feedback (if on) and compression of a round's sum; returns the bytes every worker gets."""
+    return _with_feedback(ef, codec, np.asarray(total, dtype=np.float32).copy(), state, rng)
+
+
+def _with_feedback(ef: bool, codec: Codec, p: np.ndarray, state: PartitionState,
+                   rng: np.random.Generator) -> np.ndarray:
+    if not ef:
+        return codec.compress(p, rng)
+    if state.error is not None:
+        p += state.error
+    data, decoded = codec.roundtrip(p, rng)
+    state.error = p - decoded
+    return data
+
+
+def codec_from_header(msg: Mapping[str, Any], count: int) -> tuple[Codec, bool, int | None]:
+    """The server's view of a push's ``codec`` field (untrusted): (codec, ef, seed).
+
+    ``count`` is the push's payload size in bytes, which must be the codec's.
+    """
+    spec = msg.get("codec")
+    if not isinstance(spec, dict):
+        raise ProtocolError("field 'codec' must be a map")
+    name = fields.text(spec, "name", 16)
+    if name not in CODECS:
+        raise ProtocolError(f"unknown compressor {name!r}")
+    n = fields.integer(spec, "n", 1, MAX_PARTITION_ELEMENTS)
+    k = fields.integer(spec, "k", 0, 1 << 31)
+    seed = fields.optional_integer(spec, "seed", 0, fields.MAX_INT)
+    ef, scaling = fields.flag(spec, "ef"), fields.flag(spec, "scaling")
+    natural, l2 = fields.flag(spec, "natural"), fields.flag(spec, "l2")
+    if name == "onebit":
+        codec: Codec = OneBit(n, scaling)
+    elif name in ("topk", "randomk"):
+        if not 1 <= k <= n:
+            raise ProtocolError(f"{name}: k={k} outside [1, {n}]")
+        codec = TopK(n, k) if name == "topk" else RandomK(n, k)
+    else:
+        if not 1 <= k <= MAX_LEVELS_BITS:
+            raise ProtocolError(f"dithering: {k} levels outside [1, {MAX_LEVELS_BITS}]")
+        codec = Dithering(n, k, natural, l2)
+    if codec.nbytes != count:
+        raise ProtocolError(f"{name} of {n} elements takes {codec.nbytes} bytes, the push has {count}")
+    return codec, ef, seed
