@@ -9,10 +9,15 @@ Scripts written for ``byteps.mxnet`` run after changing only the import::
 Importing it also registers the 'bpsgossip' KVStore type.
 """
 
+from __future__ import annotations
+
+import os as _os
+
 import bps_gossip as _core
 from bps_gossip import generation, init, local_rank, local_size, rank, size
 
 from . import overlap as _overlap
+from .compression import Compression
 from .gossip_mode import flush_all as _flush_gossip
 from .kvstore import BpsGossip
 from .ops import broadcast, broadcast_, byteps_declare_tensor, byteps_push_pull
@@ -21,8 +26,9 @@ from .parameters import broadcast_parameters
 from .trainer import DistributedTrainer
 
 __all__ = [
-    "BpsGossip", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
-    "byteps_declare_tensor", "byteps_push_pull", "generation", "init", "local_rank", "local_size", "rank", "shutdown", "size",
+    "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
+    "byteps_declare_tensor", "byteps_push_pull", "generation", "init", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
+    "suspend",
 ]
 
 
@@ -34,3 +40,20 @@ def shutdown() -> None:
         _overlap.drain()
     _core.shutdown()
     _overlap.raise_pending_error()
+
+
+def suspend() -> None:
+    """BytePS's suspend(): leave the job (shutdown()); resume() joins again."""
+    shutdown()
+
+
+def resume(num_workers: int, num_servers: int, global_rank: int | None = None, context: object = None) -> None:
+    """BytePS's resume(): set DMLC_NUM_WORKER and DMLC_NUM_SERVER, then init() again.
+
+    Ranks come from the scheduler (``global_rank`` is accepted and not used): in an elastic
+    job the worker is admitted again at the next commit; a job that is not elastic refuses
+    a worker once it has started, so there resume() fits only a job that is restarting.
+    """
+    _os.environ["DMLC_NUM_WORKER"] = str(int(num_workers))
+    _os.environ["DMLC_NUM_SERVER"] = str(int(num_servers))
+    init()

@@ -4,16 +4,19 @@ either gossip-average the models (SGP, the default) or sum the gradients over wo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import mxnet as mx
+import numpy as np
 
 import bps_gossip as core
 
+from .compression import parse_compression_params
 from .fusion import plan_buckets, push_pull_bucket_in_engine
 from .gossip_mode import ParameterGossip
-from .ops import finish_push_pull, push_pull_async, to_host
+from .ops import finish_push_pull, push_pull_async, to_device, to_host
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 from .parameters import (
     broadcast_initialized,
@@ -73,13 +76,20 @@ class DistributedTrainer(mx.gluon.Trainer):
                  compression_params: dict | None = None, mode: str | None = None, graph: str = "npdde",
                  peers_per_itr: int = 1, push_sum: bool = True, overlap: bool = False, synch_freq: int = 0,
                  average_every: int = 0, overlap_backward: bool | None = None) -> None:
+        optimizer_params = dict(optimizer_params or {})
+        self._compression, self._fp16 = parse_compression_params(compression_params, optimizer_params)
+        compressing = self._compression is not None or self._fp16
         if mode is None:
             mode = core.load_config().mode  # BPS_GOSSIP_MODE, or bpslaunch --mode
+            if compressing and mode == "gossip":
+                warnings.warn("DistributedTrainer: compression_params compress gradients, which gossip mode "
+                              "does not push: averaging gradients (mode='allreduce') instead", stacklevel=2)
+                mode = "allreduce"
         if mode not in MODES:
             raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {MODES}")
-        if compression_params:
-            raise ValueError("DistributedTrainer: gradient compression is not supported yet "
-                             f"(compression_params={compression_params!r})")
+        if compressing and mode != "allreduce":
+            raise ValueError("DistributedTrainer: compression_params need mode='allreduce' (compressed gossip "
+                             "is not implemented)")
         if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 0:
             raise ValueError(f"DistributedTrainer: average_every={average_every!r} must be an int >= 0")
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
@@ -97,8 +107,11 @@ class DistributedTrainer(mx.gluon.Trainer):
             # Elastic jobs take the host path: a push_pull that fails inside MXNet's engine marks
             # the gradient and every array computed from it as failed for good, so the state
             # could not be restored; on the host path step() raises before the update instead.
-            overlap_backward = enabled_by_default() and not core.is_elastic()
+            overlap_backward = enabled_by_default() and not core.is_elastic() and not compressing
+        elif overlap_backward and compressing:
+            raise ValueError("DistributedTrainer: compression runs on the host path: overlap_backward=False")
         self.overlap_backward = bool(overlap_backward)
+        self._batch_size = 1
         self.num_steps = 0
         self._buckets: list | None = None  # allreduce overlap: fused small gradients, planned at the first step
         self._alone: list = []
@@ -167,9 +180,40 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().save_states(fname)
 
     # -- allreduce mode -----------------------------------------------------------
+    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        """One training step; ``batch_size`` is this worker's batch."""
+        if self._compression is not None or self._fp16:
+            # As BytePS: gradients are divided by batch_size x workers before they are
+            # compressed (onebit without scaling depends on it), the optimizer rescales by 1.
+            self._batch_size = batch_size
+            self._scale = batch_size
+        super().step(batch_size, ignore_stale_grad)
+
+    def _allreduce_compressed(self) -> None:
+        pending = []
+        for index, param in self._ready_order:
+            if param.grad_req == "null":
+                continue
+            grads = param.list_grad()
+            host = to_host(grads[0])
+            for grad in grads[1:]:
+                host += to_host(grad)
+            host /= host.dtype.type(self._batch_size * core.size())
+            wire = host.astype(np.float16) if self._fp16 and host.dtype.kind == "f" else host
+            handle = core.push_pull_async(wire, f"gradient_{param.name}", average=False, priority=-index, out=wire,
+                                          compression=self._compression)
+            pending.append((handle, wire, grads))
+        for handle, wire, grads in pending:
+            core.synchronize(handle)
+            for grad in grads:
+                to_device(wire.astype(np.dtype(grad.dtype), copy=False), grad)
+
     def _allreduce_grads(self) -> None:
         if self._gossip is not None:
             return  # gossip mode: gradients stay local; the models are mixed after the update
+        if self._compression is not None or self._fp16:
+            self._allreduce_compressed()
+            return
         if self.overlap_backward:
             if self._buckets is None:  # grad_req and devices are settled by the first step
                 self._buckets, self._alone = plan_buckets(self._ready_order)

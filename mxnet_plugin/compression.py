@@ -1,0 +1,103 @@
+"""BytePS's compression settings for MXNet: ``compression_params`` and ``Compression``.
+
+``DistributedTrainer(..., compression_params={...})`` reads the dict exactly as
+byteps.mxnet does: ``compressor`` (onebit, topk, randomk, dithering; empty: none),
+``ef`` ('vanilla' error feedback), ``momentum`` ('nesterov': Nesterov momentum applied
+before compression, with mu taken from the optimizer's ``momentum``, which is removed
+from the optimizer), ``scaling`` (onebit), ``k`` (topk and randomk: elements kept per
+partition, below 1 a fraction; dithering: levels), ``seed``, ``partition`` (linear,
+natural) and ``normalize`` (max, l2) for dithering, and ``fp16`` (push float16). Empty
+or false values mean off, so BytePS's examples, which always pass every key, run
+uncompressed when asked for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+from bps_gossip.compression import CODECS, CompressionSpec
+
+_CHOICES = {"ef": ("vanilla",), "momentum": ("nesterov",), "partition": ("linear", "natural"),
+            "normalize": ("max", "l2")}
+
+
+class Compression:
+    """What a tensor becomes on the wire, as byteps.mxnet and horovod.mxnet export it:
+    ``Compression.none`` and ``Compression.fp16`` (float tensors go as float16)."""
+
+    class none:  # noqa: N801 - BytePS's and Horovod's name
+        """No compression."""
+
+        @staticmethod
+        def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+            return tensor
+
+    class fp16:  # noqa: N801
+        """Float tensors as float16 on the wire, cast back after."""
+
+        @staticmethod
+        def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+            if np.dtype(tensor.dtype).kind == "f":
+                return tensor.astype("float16", copy=False), tensor.dtype
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+            return tensor if ctx is None else tensor.astype(ctx, copy=False)
+
+
+def _text(params: Mapping[str, Any], key: str) -> str:
+    value = params.get(key)
+    if not value:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"compression_params[{key!r}]={value!r} must be a string")
+    value = value.lower()
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ValueError(f"compression_params[{key!r}]={value!r} is not one of {', '.join(_CHOICES[key])}")
+    return value
+
+
+def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params: dict[str, Any]
+                             ) -> tuple[CompressionSpec | None, bool]:
+    """(compressor spec or None, fp16) from BytePS's ``compression_params``.
+
+    With ``momentum='nesterov'`` the optimizer's ``momentum`` moves into the spec: it is
+    removed from ``optimizer_params`` (changed in place), as BytePS does.
+    """
+    if not params:
+        return None, False
+    if not isinstance(params, Mapping):
+        raise TypeError(f"compression_params must be a dict, got {type(params).__name__}")
+    fp16 = bool(params.get("fp16"))
+    compressor = _text(params, "compressor")
+    ef, momentum = _text(params, "ef"), _text(params, "momentum")
+    if not compressor:
+        if ef or momentum:
+            raise ValueError(f"compression_params: ef={ef!r} and momentum={momentum!r} need a compressor "
+                             f"({', '.join(CODECS)})")
+        return None, fp16
+    if compressor not in CODECS:
+        raise ValueError(f"compression_params['compressor']={compressor!r} is not one of {', '.join(CODECS)}")
+    mu = None
+    if momentum:
+        if "momentum" not in optimizer_params:
+            raise ValueError("compression_params: momentum='nesterov' takes mu from optimizer_params['momentum'], "
+                             "which is not set")
+        mu = float(optimizer_params.pop("momentum"))
+    if compressor != "onebit" and params.get("k") is None:
+        raise ValueError(f"compression_params: the {compressor} compressor needs k")
+    seed = params.get("seed")
+    spec = CompressionSpec(
+        compressor=compressor, k=params.get("k") or 1, scaling=bool(params.get("scaling")), ef=bool(ef),
+        momentum=mu, seed=None if seed is None else int(seed),
+        natural=_text(params, "partition") == "natural", l2=_text(params, "normalize") == "l2")
+    return spec, fp16
