@@ -22,6 +22,7 @@ from .errors import ConfigError, NotInitializedError
 from .worker.engine import Engine, Operation
 from .worker.handle import Handle
 from .worker.tensors import bits_dtype, check_array, check_name, check_out, key_of, partitions
+from .worker.trace import now_us
 
 
 @dataclasses.dataclass
@@ -154,12 +155,14 @@ def _submit(runtime: _Runtime, name: str, sig_kind: str, array: np.ndarray, send
     engine = runtime.engine
     assert engine is not None
     handle = Handle(what)
+    seq = engine.next_seq(name)
     op = Operation(
-        handle=handle, name=name, key=declare(name), seq=engine.next_seq(name),
+        handle=handle, name=name, key=declare(name), seq=seq,
         sig={"dtype": str(array.dtype), "shape": list(array.shape), "kind": sig_kind},
         send=send, out=out.reshape(-1).view(wire), result=out,
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
+        traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(),
     )
     engine.stage(op)
     engine.submit("op", op)
@@ -172,13 +175,18 @@ def _submit_compressed(runtime: _Runtime, name: str, sig_kind: str, array: np.nd
     the runtime), push the bytes, and decompress the merged bytes into ``out`` at the end."""
     engine = runtime.engine
     seq = engine.next_seq(name)
+    submitted = now_us()
+    tracer = engine.tracer if engine.tracer is not None and engine.tracer.traced(seq) else None
     flat = np.ascontiguousarray(array).reshape(-1)
     elements = partitions(array.size, array.dtype.itemsize, runtime.config.partition_bytes)
     codecs, chunks, parts, offset = [], [], [], 0
     for index, (start, count) in enumerate(elements):
         codec = spec.codec(count)
         state = runtime.compression_state.setdefault((name, index), PartitionState())
+        began = now_us()
         chunks.append(compress_on_worker(spec, codec, flat[start:start + count], state, rng_for(spec.seed, index, seq, 0)))
+        if tracer is not None:
+            tracer.event(name, "COMPRESS", index, began, now_us())
         codecs.append((codec, spec.header(count)))
         parts.append((offset, codec.nbytes))
         offset += codec.nbytes
@@ -187,8 +195,11 @@ def _submit_compressed(runtime: _Runtime, name: str, sig_kind: str, array: np.nd
     result = out.reshape(-1)
 
     def decompress() -> None:
+        began = now_us()
         for (start, count), (codec, _), (at, nbytes) in zip(elements, codecs, parts, strict=True):
             result[start:start + count] = codec.decompress(merged[at:at + nbytes])
+        if tracer is not None:
+            tracer.event(name, "DECOMPRESS", "total", began, now_us())
         if finish is not None:
             finish()
 
@@ -197,7 +208,7 @@ def _submit_compressed(runtime: _Runtime, name: str, sig_kind: str, array: np.nd
         handle=handle, name=name, key=declare(name), seq=seq,
         sig={"dtype": str(array.dtype), "shape": list(array.shape), "kind": sig_kind},
         send=send, out=merged, result=out, parts=parts, priority=int(priority), finish=decompress,
-        codecs=[header for _, header in codecs],
+        codecs=[header for _, header in codecs], traced=tracer is not None, submitted=submitted,
     )
     engine.submit("op", op)
     return handle

@@ -56,6 +56,10 @@ class Config:
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
     start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
+    trace_on: bool = False  # BytePS's BYTEPS_TRACE_*: write <trace_dir>/<local_rank>/comm.json
+    trace_start: int = 10
+    trace_end: int = 20
+    trace_dir: str = "."
     mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP) or allreduce (BytePS)
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
@@ -228,6 +232,10 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     if elastic and max_workers and num_worker * local_size > max_workers:
         raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {num_worker * local_size} initial workers "
                           f"exceed BPS_GOSSIP_MAX_WORKERS={max_workers}")
+    trace_start = _int(env, "BYTEPS_TRACE_START_STEP", 10, minimum=1)
+    trace_end = _int(env, "BYTEPS_TRACE_END_STEP", 20, minimum=1)
+    if trace_end <= trace_start:
+        raise ConfigError(f"BYTEPS_TRACE_END_STEP={trace_end} must exceed BYTEPS_TRACE_START_STEP={trace_start}")
     config = Config(
         role=role,
         num_worker=num_worker,
@@ -254,6 +262,10 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         max_workers=max_workers,
         elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
+        trace_on=_bool(env, "BYTEPS_TRACE_ON", False),
+        trace_start=trace_start,
+        trace_end=trace_end,
+        trace_dir=_get(env, "BYTEPS_TRACE_DIR") or ".",
         mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),

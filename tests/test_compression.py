@@ -229,3 +229,36 @@ def test_worker_state_carries_error_and_momentum():
     np.testing.assert_allclose(first, [0, 0, 4.5])
     np.testing.assert_allclose(state.error, [1.5, 3, 0])
     np.testing.assert_allclose(state.momentum, [1, 2, 3])
+
+
+@pytest.mark.timeout(90)
+def test_byteps_trace_file(cluster, tmp_path):
+    job = cluster(2, 1, {"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_START_STEP": "2", "BYTEPS_TRACE_END_STEP": "4",
+                         "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)})
+    done = job.run_workers('''
+        import numpy as np, bps_gossip as bps
+        from bps_gossip.compression import CompressionSpec
+        bps.init()
+        for step in range(6):
+            bps.push_pull(np.ones(10, np.float32), "small")
+            bps.push_pull(np.ones(40000, np.float32), "big", compression=CompressionSpec("topk", k=0.1))
+        bps.shutdown()
+        report("ok")
+    ''', per_rank_env={rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}, timeout=60)
+    assert_all_ok(done, job)
+    for rank in range(2):
+        trace = json.loads((tmp_path / f"rank{rank}" / "0" / "comm.json").read_text())
+        events = trace["traceEvents"]
+        assert trace["displayTimeUnit"] == "ms" and all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
+        by_stage = {}
+        for e in events:
+            stage = "total" if e["name"] == e["pid"] else e["name"][len(e["pid"]) + 1:]
+            by_stage.setdefault((e["pid"], stage), []).append(e)
+        assert len(by_stage["Comm.small", "total"]) == 3  # steps 2, 3 and 4
+        assert len(by_stage["Comm.big", "total"]) == 3
+        assert len(by_stage["Comm.big", "COMPRESS"]) == 3 * 3  # 3 partitions of 64 KB
+        assert len(by_stage["Comm.big", "PUSH_PULL"]) == 9 and len(by_stage["Comm.big", "DECOMPRESS"]) == 3
+        assert len(by_stage["Comm.small", "QUEUE"]) == 3 and ("Comm.small", "COMPRESS") not in by_stage
+        for total in by_stage["Comm.big", "total"]:
+            inside = [e for e in by_stage["Comm.big", "PUSH_PULL"] if total["ts"] <= e["ts"] <= total["ts"] + total["dur"]]
+            assert len(inside) == 3

@@ -46,6 +46,7 @@ from ..transport.shm import OwnedSegment, SegmentPool, shm_available
 from .generations import Book, GenerationHandling
 from .handle import Handle
 from .peers import PeerChannel
+from .trace import Tracer, now_us
 
 _ERROR_KINDS: dict[str, type[BpsGossipError]] = {
     "mismatch": TensorMismatchError,
@@ -78,6 +79,9 @@ class Operation:
     reqs: set[int] = dataclasses.field(default_factory=set)
     segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
     codecs: list[dict[str, Any]] | None = None  # compressed: each partition's codec, for the server
+    traced: bool = False  # BYTEPS_TRACE_ON and a traced step: stamps[part] is when its stage began
+    submitted: float = 0.0
+    stamps: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 class Engine(GenerationHandling):
@@ -89,6 +93,8 @@ class Engine(GenerationHandling):
         # The routing id on every connection: servers and peers know this worker's rank by it
         # (from the address book), so it must not be guessable.
         self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex}".encode()
+        self.tracer = Tracer(config.trace_dir, config.local_rank, config.trace_start, config.trace_end) \
+            if config.trace_on else None
         self.book: Book | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -209,6 +215,8 @@ class Engine(GenerationHandling):
             self.log.warning("shutdown: %s", exc)
         self._running = False
         self._thread.join(timeout)
+        if self.tracer is not None:
+            self.tracer.write()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -361,6 +369,8 @@ class Engine(GenerationHandling):
 
     def _enqueue(self, op: Operation) -> None:
         op.remaining = len(op.parts)
+        if op.traced:
+            op.stamps = dict.fromkeys(range(len(op.parts)), now_us())
         op.deadline = time.monotonic() + self._op_timeout()
         self._pending.add(op)
         for index in range(len(op.parts)):
@@ -397,6 +407,10 @@ class Engine(GenerationHandling):
             if not small:
                 self._unacked[req] = server
             op.reqs.add(req)
+            if op.traced:
+                sent = now_us()
+                self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
+                op.stamps[index] = sent
             header = {
                 "op": "push", "req": req, "key": op.key, "name": op.name,
                 "part": index, "seq": op.seq, "count": count, "wire": op.send.dtype.str,
@@ -436,6 +450,8 @@ class Engine(GenerationHandling):
         if op_name != "result":
             raise ProtocolError(f"unknown reply {op_name!r} from server {index}")
         offset, count = op.parts[part]
+        if op.traced:
+            self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
         if count and msg.get("shm"):
             op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
         elif count:
@@ -452,6 +468,9 @@ class Engine(GenerationHandling):
             except Exception as exc:  # noqa: BLE001 - reported through the handle
                 op.handle.set_error(exc)
                 return
+            if op.traced:
+                self.tracer.event(op.name, "total", "total", op.submitted, now_us())
+                self.tracer.finished(op.seq)
             op.handle.set_result(op.result)
 
     def _on_stats(self, index: int, req: int, msg: dict[str, Any]) -> None:
