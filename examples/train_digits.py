@@ -59,7 +59,7 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     options = {"graph": args.graph, "peers_per_itr": args.peers_per_itr, "overlap": args.overlap,
                "average_every": args.average_every} if mode == "gossip" else {}
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": args.lr, "momentum": 0.9},
-                                     mode=mode, **options)
+                                     mode=mode, compression_params=compression_params(args), **options)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(args.seed + rank)
     steps_per_epoch = len(x_shard) // args.batch_size
@@ -102,6 +102,16 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
             "seconds": time.time() - start, "history": history}
 
 
+def compression_params(args: argparse.Namespace) -> dict[str, Any]:
+    """BytePS's compression_params from the command line, every key always present (as in
+    BytePS's examples): empty values mean no compression."""
+    return {"compressor": getattr(args, "compressor", ""), "ef": getattr(args, "ef", ""),
+            "momentum": getattr(args, "compress_momentum", ""), "scaling": getattr(args, "onebit_scaling", False),
+            "k": getattr(args, "k", 1), "fp16": getattr(args, "fp16_pushpull", False),
+            "seed": getattr(args, "seed_compress", None), "partition": getattr(args, "partition", ""),
+            "normalize": getattr(args, "normalize", "")}
+
+
 def log_epoch(pattern: str, record: dict[str, Any]) -> None:
     """Append ``record`` as one JSON line to ``pattern`` with ``{rank}`` filled in (one file per rank:
     no two processes append to the same file)."""
@@ -122,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers-per-itr", type=int, default=1)
     parser.add_argument("--overlap", action="store_true", help="gossip while the next step computes")
     parser.add_argument("--average-every", type=int, default=0, help="exact average every K steps (0: never)")
+    gc = parser.add_argument_group("gradient compression (allreduce mode; BytePS's options)")
+    gc.add_argument("--compressor", default="", help="onebit, topk, randomk or dithering (default: none)")
+    gc.add_argument("--ef", default="", help="error feedback: vanilla")
+    gc.add_argument("--compress-momentum", default="", help="nesterov: momentum applied before compression")
+    gc.add_argument("--onebit-scaling", action="store_true", help="onebit: scale by the mean magnitude")
+    gc.add_argument("--k", type=float, default=1, help="topk/randomk: elements kept (below 1: a fraction); "
+                                                       "dithering: levels")
+    gc.add_argument("--fp16-pushpull", action="store_true", help="push gradients as float16")
+    gc.add_argument("--seed-compress", type=int, help="randomk/dithering: seed of the random draws")
+    gc.add_argument("--partition", default="", help="dithering: linear or natural")
+    gc.add_argument("--normalize", default="", help="dithering: max or l2")
     parser.add_argument("--log-json", metavar="PATH",
                         help="append one JSON line per epoch (wall-clock time, accuracy) to PATH, in which "
                              "{rank} is replaced by the rank (scripts/netns_cluster.py reads these)")
