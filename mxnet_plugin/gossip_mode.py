@@ -23,7 +23,9 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
+from bps_gossip.gossip.choco import ChocoAverager
 
 from .layouts import idle_view
 
@@ -39,8 +41,10 @@ def flush_all() -> None:
 class ParameterGossip:
     """Packs a trainer's parameters into dtype groups and runs SGP on them."""
 
-    def __init__(self, params: list[mx.gluon.Parameter], tag: str, **averager_args: Any) -> None:
+    def __init__(self, params: list[mx.gluon.Parameter], tag: str, compression: CompressionSpec | None = None,
+                 gamma: float = 0.2, **averager_args: Any) -> None:
         self.params = params
+        self.compression, self.gamma = compression, gamma  # compressed gossip (CHOCO) when set
         self.tag = tag
         self.graph_spec = averager_args["graph"]  # a name can be rebuilt for another size (elastic)
         averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
@@ -120,14 +124,19 @@ class ParameterGossip:
         When the last mix wrote x itself (w = 1, nothing in flight), ``before`` is x and
         the update is x <- the new values: they are copied straight into x.
         """
-        if self.averager is None:
-            self.averager = GossipAverager(before, tag=self.tag, **self.averager_args)
+        if self.averager is None:  # after the first-step broadcast: every rank starts equal
+            self.averager = self._new_averager(before, start_equal=True)
         if before is self.averager.x:
             self.pack(into=self.averager.x)
         else:
             self.averager.apply_update(before, self.pack())
         self.averager.step()
         self.unpack(self.averager.model())
+
+    def _new_averager(self, buffers: dict[str, np.ndarray], start_equal: bool = False) -> GossipAverager:
+        if self.compression is not None:
+            return ChocoAverager(buffers, self.compression, self.gamma, tag=self.tag, start_equal=start_equal)
+        return GossipAverager(buffers, tag=self.tag, **self.averager_args)
 
     def flush(self) -> None:
         """Absorb every open gossip round and write z back."""
@@ -138,12 +147,12 @@ class ParameterGossip:
     def average_exactly(self) -> None:
         """Make every rank's parameters the exact average (through the servers)."""
         if self.averager is None:
-            self.averager = GossipAverager(self.pack(), tag=self.tag, **self.averager_args)
+            self.averager = self._new_averager(self.pack())
         self.averager.average_exactly()
         self.unpack(self.averager.model())
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""
         if self.averager is None:
-            self.averager = GossipAverager(self.pack(), tag=self.tag, **self.averager_args)
+            self.averager = self._new_averager(self.pack())
         return self.averager.consensus_distance()

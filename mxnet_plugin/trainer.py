@@ -4,6 +4,7 @@ either gossip-average the models (SGP, the default) or sum the gradients over wo
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -63,6 +64,11 @@ class DistributedTrainer(mx.gluon.Trainer):
     overlap mode (``save_states`` does it); ``consensus_distance()`` and
     ``average_parameters()`` are collectives: call them on every rank.
 
+    ``compression_params`` (BytePS's dict, see docs/compression.md): in allreduce mode the
+    gradients are compressed as in BytePS; in gossip mode the gossip messages are, by
+    CHOCO-Gossip on a ring with consensus step ``gossip_gamma`` (error feedback and
+    momentum settings are for gradients and do not apply there).
+
     ``mode='allreduce'``: every step sums the gradients over workers (priority
     ``-index``, so the first layers come back first) and divides by the number of
     workers through the optimizer's rescale factor, as in BytePS. With
@@ -75,21 +81,29 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,
                  compression_params: dict | None = None, mode: str | None = None, graph: str = "npdde",
                  peers_per_itr: int = 1, push_sum: bool = True, overlap: bool = False, synch_freq: int = 0,
-                 average_every: int = 0, overlap_backward: bool | None = None) -> None:
+                 average_every: int = 0, overlap_backward: bool | None = None, gossip_gamma: float = 0.2) -> None:
         optimizer_params = dict(optimizer_params or {})
+        given_params = dict(optimizer_params)
         self._compression, self._fp16 = parse_compression_params(compression_params, optimizer_params)
-        compressing = self._compression is not None or self._fp16
         if mode is None:
             mode = core.load_config().mode  # BPS_GOSSIP_MODE, or bpslaunch --mode
-            if compressing and mode == "gossip":
-                warnings.warn("DistributedTrainer: compression_params compress gradients, which gossip mode "
-                              "does not push: averaging gradients (mode='allreduce') instead", stacklevel=2)
+            if self._fp16 and self._compression is None and mode == "gossip":
+                warnings.warn("DistributedTrainer: fp16 applies to pushed gradients, which gossip mode does not "
+                              "push: averaging gradients (mode='allreduce') instead", stacklevel=2)
                 mode = "allreduce"
         if mode not in MODES:
             raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {MODES}")
-        if compressing and mode != "allreduce":
-            raise ValueError("DistributedTrainer: compression_params need mode='allreduce' (compressed gossip "
-                             "is not implemented)")
+        if mode == "gossip" and (self._compression is not None or self._fp16):
+            if self._fp16:
+                raise ValueError("DistributedTrainer: fp16 applies to mode='allreduce'; gossip compresses its "
+                                 "messages with a compressor (onebit, topk, randomk, dithering)")
+            # Compressed gossip (CHOCO) compresses model differences and keeps its own error memory:
+            # error feedback and momentum for gradients do not apply, the optimizer keeps its momentum.
+            self._compression = dataclasses.replace(self._compression, ef=False, momentum=None)
+            optimizer_params = given_params
+        compressing = mode == "allreduce" and (self._compression is not None or self._fp16)
+        if not 0 < gossip_gamma <= 1:
+            raise ValueError(f"DistributedTrainer: gossip_gamma={gossip_gamma!r} must be in (0, 1]")
         if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 0:
             raise ValueError(f"DistributedTrainer: average_every={average_every!r} must be an int >= 0")
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
@@ -120,7 +134,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         if mode == "allreduce":
             self._scale /= core.size()
         else:
-            self._gossip = ParameterGossip(self._params, tag="trainer", graph=graph, peers_per_itr=peers_per_itr,
+            self._gossip = ParameterGossip(self._params, tag="trainer", compression=self._compression,
+                                           gamma=gossip_gamma, graph=graph, peers_per_itr=peers_per_itr,
                                            push_sum=push_sum, overlap=overlap, synch_freq=synch_freq)
         for param in self._params:
             if not is_initialized(param):
@@ -182,7 +197,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     # -- allreduce mode -----------------------------------------------------------
     def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
         """One training step; ``batch_size`` is this worker's batch."""
-        if self._compression is not None or self._fp16:
+        if self._gossip is None and (self._compression is not None or self._fp16):
             # As BytePS: gradients are divided by batch_size x workers before they are
             # compressed (onebit without scaling depends on it), the optimizer rescales by 1.
             self._batch_size = batch_size

@@ -42,16 +42,27 @@ SETTINGS = [
 ]
 
 
+def traffic(net: netns.Network, args: argparse.Namespace) -> tuple[int, int]:
+    """(received, sent) bytes: the server's link (allreduce: every payload crosses it), or the
+    sum over every host's link (gossip: workers talk to each other)."""
+    if args.mode == "allreduce":
+        return net.traffic("server0")
+    counts = [net.traffic(host) for host in host_names(args.workers, 1)]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mbit", type=float, default=1000.0, help="link rate of every emulated host")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=2048, help="MLP width: weights above 64 KiB get compressed")
-    parser.add_argument("--only", help="comma-separated setting names to run (default: all)")
+    parser.add_argument("--mode", choices=["allreduce", "gossip"], default="allreduce",
+                        help="gossip: compressed gossip (CHOCO); bytes are then every link's")
+    parser.add_argument("--only", help="setting names to run, separated by semicolons (default: all)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
-    settings = [s for s in SETTINGS if not args.only or s[0] in args.only.split(",")]
+    settings = [s for s in SETTINGS if not args.only or s[0] in args.only.split(";")]
     try:
         net = build_network(args.workers, 1, args.mbit, {})
     except netns.NetnsError as exc:
@@ -62,13 +73,13 @@ def main() -> int:
         for label, extra in settings:
             with tempfile.TemporaryDirectory(prefix="bench_gc_") as tmp:
                 log = Path(tmp) / "rank{rank}.jsonl"
-                before = net.traffic("server0")
+                before = traffic(net, args)
                 start = time.time()
-                command = [sys.executable, str(EXAMPLE), "--mode", "allreduce", "--epochs", str(args.epochs),
+                command = [sys.executable, str(EXAMPLE), "--mode", args.mode, "--epochs", str(args.epochs),
                            "--hidden", str(args.hidden), "--log-json", str(log), *extra]
                 code = run_job(net, args.workers, 1, command)
                 seconds = time.time() - start
-                after = net.traffic("server0")
+                after = traffic(net, args)
                 if code != 0:
                     print(f"bench_compression: {label} failed with exit code {code}", file=sys.stderr)
                     return 1
@@ -81,14 +92,15 @@ def main() -> int:
     finally:
         net.destroy()
     base = next((r["bytes"] for r in rows if r["setting"] == "none"), None)
-    print(f"\n{args.workers} workers, 1 server, {args.mbit:g} Mbit/s links, {args.epochs} epochs, MLP 64-"
-          f"{args.hidden}-10 on digits; bytes = server link, both directions")
+    where = "server link" if args.mode == "allreduce" else "all links"
+    print(f"\n{args.mode}: {args.workers} workers, 1 server, {args.mbit:g} Mbit/s links, {args.epochs} epochs, MLP 64-"
+          f"{args.hidden}-10 on digits; bytes = {where}, received + sent")
     print(f"{'setting':34} {'MB':>9} {'vs none':>8} {'accuracy':>9} {'seconds':>8}")
     for row in rows:
         ratio = f"{row['bytes'] / base:.3f}" if base else "-"
         print(f"{row['setting']:34} {row['bytes'] / 1e6:9.1f} {ratio:>8} {row['accuracy']:9.4f} {row['seconds']:8.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"workers": args.workers, "mbit": args.mbit, "epochs": args.epochs,
+        args.json.write_text(json.dumps({"mode": args.mode, "workers": args.workers, "mbit": args.mbit, "epochs": args.epochs,
                                          "hidden": args.hidden, "hosts": host_names(args.workers, 1),
                                          "rows": rows}, indent=1))
     return 0

@@ -117,13 +117,54 @@ CASES = [
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("params", CASES, ids=[c["compressor"] or ("fp16" if c.get("fp16") else "none") for c in CASES])
 def test_trainer_with_compression_params_equals_the_replay(cluster, params):
-    job = cluster(2, 1, {"OMP_NUM_THREADS": "1"})
+    # The compressor cases choose allreduce through BPS_GOSSIP_MODE (gossip would compress by CHOCO);
+    # fp16 alone switches to allreduce with a warning; no compression stays in the default gossip mode.
+    env = {"OMP_NUM_THREADS": "1", **({"BPS_GOSSIP_MODE": "allreduce"} if params["compressor"] else {})}
+    job = cluster(2, 1, env)
     done = job.run_workers(JOB.format(params=params), timeout=150)
     assert_all_ok(done, job)
     first, second = (f.result for f in done)
     assert first["checksum"] == second["checksum"], (first, second)  # identical models
     compressing = bool(params["compressor"] or params.get("fp16"))
     assert first["mode"] == ("allreduce" if compressing else "gossip"), first
-    assert any("allreduce" in w for w in first["warned"]) == compressing, first
+    assert any("allreduce" in w for w in first["warned"]) == bool(params.get("fp16") and not params["compressor"]), first
     if params["compressor"] or params.get("fp16"):
         assert first["diff"] < 1e-6 and first["off"] > 1e-5, first  # the replay, and not the exact run
+
+
+@pytest.mark.timeout(120)
+def test_gossip_mode_compresses_its_messages(cluster):
+    """The default mode with a compressor: CHOCO gossip; the models stay close, the optimizer
+    keeps its momentum (nesterov and ef apply to gradients only), and an exact average ends equal."""
+    job = cluster(2, 1, {"OMP_NUM_THREADS": "1"})
+    done = job.run_workers('''
+        import mxnet as mx, numpy as np
+        import mxnet_plugin as bps
+        bps.init()
+        mx.random.seed(bps.rank())
+        net = mx.gluon.nn.Dense(300, in_units=64)
+        net.initialize(mx.init.Xavier())
+        params = {"compressor": "topk", "k": 0.05, "ef": "vanilla", "momentum": "nesterov", "fp16": False}
+        trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
+                                         compression_params=params)
+        rng = np.random.default_rng(bps.rank())
+        losses = []
+        for step in range(30):
+            data = mx.nd.array(rng.normal(size=(8, 64)))
+            with mx.autograd.record():
+                loss = (net(data) ** 2).mean()
+            loss.backward()
+            trainer.step(8)
+            losses.append(float(loss.asscalar()))
+        distance = trainer.consensus_distance()
+        trainer.average_parameters()
+        report({"mode": trainer.mode, "momentum": trainer._optimizer.momentum, "distance": distance,
+                "first": losses[0], "last": losses[-1], "after": trainer.consensus_distance(),
+                "checksum": float(net.weight.data().abs().sum().asscalar())})
+        bps.shutdown()
+    ''', timeout=100)
+    assert_all_ok(done, job)
+    first, second = (f.result for f in done)
+    assert first["mode"] == "gossip" and first["momentum"] == 0.9, first
+    assert first["last"] < first["first"] and 0 < first["distance"] < 0.05, first
+    assert first["after"] < 1e-6 and abs(first["checksum"] - second["checksum"]) < 1e-3, (first, second)
