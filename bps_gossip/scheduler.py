@@ -33,8 +33,9 @@ from .config import Config, load_config
 from .errors import BpsGossipError, ConfigError, ProtocolError
 from .logs import get_logger
 from .membership import Membership, Node
-from .transport import recv_message, send_message, shm
+from .transport import send_message, shm
 from .transport.framing import MAX_HEADER_BYTES
+from .transport.receive import DropLog, drain
 from .transport.security import make_socket
 
 MAX_CONTROL_BYTES = 4 * MAX_HEADER_BYTES  # the largest message the scheduler accepts
@@ -73,6 +74,15 @@ class Scheduler:
         self.exit_code = 0
         self.running = True
         self.created = time.monotonic()
+        self.member_handlers = {
+            "heartbeat": self._on_heartbeat, "leave": self._on_leave,
+            "barrier": lambda uid, msg, _node: self._on_barrier(uid, msg),
+            "commit": lambda uid, msg, _node: self._on_commit(uid, msg),
+            "rejoin": lambda uid, msg, _node: self._on_rejoin(uid, msg),
+        }
+        self.handlers = {"register": lambda uid, msg, _frames: self._on_register(uid, msg),
+                         **dict.fromkeys(self.member_handlers, self._from_member)}
+        self.drops = DropLog(self.log, "message")
 
     # -- sending ------------------------------------------------------------------
     def _send(self, uid: bytes, header: dict[str, Any]) -> None:
@@ -283,14 +293,13 @@ class Scheduler:
             self._send(server.uid, {"op": "terminate", "why": why})
         self.running = False
 
-    def _handle(self, uid: bytes, msg: dict[str, Any]) -> None:
+    def _from_member(self, uid: bytes, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        """Every op but register: only from a registered member (a joiner may heart-beat or leave)."""
         op = msg["op"]
         node = self.members.nodes.get(uid)
         if node is not None:
             node.last_seen = time.monotonic()
-        if op == "register":
-            self._on_register(uid, msg)
-        elif node is not None and node.state == "joining" and op in ("heartbeat", "leave"):
+        if node is not None and node.state == "joining" and op in ("heartbeat", "leave"):
             if op == "heartbeat":
                 self._send(uid, {"op": "hb_ack"})
             else:
@@ -298,24 +307,20 @@ class Scheduler:
                 self._send(uid, {"op": "bye"})
         elif node is None or node.state != "alive":
             self._send(uid, {"op": "refused", "why": "not a registered member of this job"})
-        elif op == "heartbeat":
-            self._send(uid, {"op": "hb_ack"})
-        elif op == "barrier":
-            self._on_barrier(uid, msg)
-        elif op == "commit":
-            self._on_commit(uid, msg)
-        elif op == "rejoin":
-            self._on_rejoin(uid, msg)
-        elif op == "leave" and msg.get("crashed"):
-            self.members.mark(uid, "lost")
-            self._send(uid, {"op": "bye"})
-            self._on_gone(node, "lost", "exited with an uncaught exception")
-        elif op == "leave":
-            self.members.mark(uid, "left")
-            self._send(uid, {"op": "bye"})
-            self._on_gone(node, "left", "shut down")
         else:
-            raise ProtocolError(f"unknown op {op!r}")
+            self.member_handlers[op](uid, msg, node)
+
+    def _on_heartbeat(self, uid: bytes, _msg: dict[str, Any], _node: Node) -> None:
+        self._send(uid, {"op": "hb_ack"})
+
+    def _on_leave(self, uid: bytes, msg: dict[str, Any], node: Node) -> None:
+        crashed = msg.get("crashed") is True
+        self.members.mark(uid, "lost" if crashed else "left")
+        self._send(uid, {"op": "bye"})
+        if crashed:
+            self._on_gone(node, "lost", "exited with an uncaught exception")
+        else:
+            self._on_gone(node, "left", "shut down")
 
     def _check_heartbeats(self) -> None:
         if not self.members.started:
@@ -340,12 +345,8 @@ class Scheduler:
         try:
             while self.running:
                 if poller.poll(int(tick * 1000)):
-                    while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        try:
-                            uid, msg, _ = recv_message(self.sock, routed=True)
-                            self._handle(uid, msg)
-                        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
-                            self.log.warning("dropped a malformed message: %s", exc)
+                    # bounded: a flood of messages cannot hold off the heartbeat checks
+                    drain(self.sock, True, self.handlers, self.drops, 1024)
                 self._check_heartbeats()
         finally:
             self.sock.close(linger=1000)

@@ -38,6 +38,7 @@ from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
+from .transport.receive import DropLog, drain
 from .transport.security import HandshakeWatch, make_socket
 from .transport.shm import AttachedSegments, owner_pid
 
@@ -95,6 +96,11 @@ class Server:
         self.rank = -1
         self.running = True
         self.last_ack = time.monotonic()
+        self.handlers = {"push": self._on_push, "stats": self._on_stats}
+        self.scheduler_handlers = dict.fromkeys(
+            ("terminate", "node_lost", "node_left", "changed", "book", "hb_ack", "refused"),
+            lambda _route, msg, _frames: self._on_scheduler(msg))
+        self.drops = DropLog(self.log, "message")
 
     # -- registration -------------------------------------------------------------
     def register(self) -> None:
@@ -346,7 +352,9 @@ class Server:
                     self._fail_round(rnd, "changed", f"tensor {rnd.name!r}: membership changed: {why}")
                 self.rounds.pop(rnd.rid, None)
 
-    def _on_stats(self, route: bytes, msg: dict[str, Any]) -> None:
+    def _on_stats(self, route: bytes, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        if route not in self.ranks:
+            raise ProtocolError("stats asked by a connection that is no worker of this job")
         send_message(self.sock, {
             "op": "stats", "req": msg.get("req"), "rank": self.rank,
             "parts": {str(k): sorted(v) for k, v in self.parts_seen.items()},
@@ -407,31 +415,15 @@ class Server:
                 if self.done_r in events:
                     self._drain_done()
                 if self.sched in events:
-                    while self.sched.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        try:
-                            _, msg, _ = recv_message(self.sched, routed=False)
-                            self._on_scheduler(msg)
-                        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
-                            self.log.warning("dropped a malformed scheduler message: %s", exc)
+                    drain(self.sched, False, self.scheduler_handlers, self.drops, 1024)
                 if self.sock in events:
                     self._drain_socket()
         finally:
             self.close()
 
     def _drain_socket(self) -> None:
-        for _ in range(256):  # bounded, so the scheduler and the pool are served too
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                route, msg, frames = recv_message(self.sock, routed=True)
-                if msg["op"] == "push":
-                    self._on_push(route, msg, frames)
-                elif msg["op"] == "stats" and route in self.ranks:
-                    self._on_stats(route, msg)
-                else:
-                    raise ProtocolError(f"unknown op {msg['op']!r}")
-            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
-                self.log.warning("dropped a malformed message: %s", exc)
+        # bounded, so the scheduler and the pool are served too
+        drain(self.sock, True, self.handlers, self.drops, 256)
 
     def close(self) -> None:
         """Stop the pool and close the sockets."""

@@ -41,7 +41,8 @@ from ..errors import (
     WorkersChangedError,
 )
 from ..logs import get_logger
-from ..transport import recv_message, send_message
+from ..transport import send_message
+from ..transport.receive import DropLog, drain
 from ..transport.shm import OwnedSegment, SegmentPool, shm_available
 from .generations import Book, GenerationHandling
 from .handle import Handle
@@ -84,6 +85,11 @@ class Operation:
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
+SCHEDULER_OPS = ("hb_ack", "refused", "wait", "book", "barrier_done", "barrier_failed", "node_lost", "node_left",
+                 "changed", "commit_done", "job_failed", "bye", "terminate")  # what the scheduler sends a worker
+SERVER_OPS = ("ack", "result", "error", "stats")  # what a server answers
+
+
 class Engine(GenerationHandling):
     """Owns the worker's sockets on a background thread; see the module docstring."""
 
@@ -93,6 +99,10 @@ class Engine(GenerationHandling):
         # The routing id on every connection: servers and peers know this worker's rank by it
         # (from the address book), so it must not be guessable.
         self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex}".encode()
+        self._drops = DropLog(self.log, "message")
+        self._scheduler_handlers = dict.fromkeys(SCHEDULER_OPS, lambda _route, msg, frames: self._on_scheduler(msg, frames))
+        self._peer_handlers = {"gossip": self._on_peer, "gossip_ack": self._on_gossip_ack}
+        self._server_tables: list[dict[str, Any]] = []
         self.tracer = Tracer(config.trace_dir, config.local_rank, config.trace_start, config.trace_end) \
             if config.trace_on else None
         self.book: Book | None = None
@@ -268,13 +278,13 @@ class Engine(GenerationHandling):
             events = dict(poller.poll(min(wait_ms, 200)))
             if self._wake_r in events:
                 self._drain_inbox()
-            if self.sched in events:
-                self._drain(self.sched, self._on_scheduler)
+            if self.sched in events:  # bounded, so a backlog never delays a heartbeat for long
+                drain(self.sched, False, self._scheduler_handlers, self._drops, 1024)
             if self.peer in events:
                 self._drain_peers()
             for index, sock in enumerate(self.servers):
                 if sock in events:
-                    self._drain(sock, lambda msg, frames, i=index: self._on_server(i, msg, frames))
+                    drain(sock, False, self._server_handlers[index], self._drops, 1024)
             more = self._dispatch()
 
     def _poller(self) -> zmq.Poller:
@@ -287,31 +297,19 @@ class Engine(GenerationHandling):
             poller.register(sock, zmq.POLLIN)
         return poller
 
-    def _drain(self, sock: zmq.Socket, handler: Any) -> None:
-        for _ in range(1024):  # bounded, so a backlog of replies never delays a heartbeat for long
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                _, msg, frames = recv_message(sock, routed=False)
-                handler(msg, frames)
-            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
-                self.log.warning("dropped a malformed message: %s", exc)
+    @property
+    def _server_handlers(self) -> list[dict[str, Any]]:
+        if len(self._server_tables) != len(self.servers):
+            self._server_tables = [dict.fromkeys(SERVER_OPS, lambda _route, msg, frames, i=index:
+                                                 self._on_server(i, msg, frames)) for index in range(len(self.servers))]
+        return self._server_tables
 
     def _drain_peers(self) -> None:
-        for _ in range(256):  # bounded, so servers and the inbox are served too
-            if not self.peer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                route, msg, frames = recv_message(self.peer, routed=True)
-                if msg["op"] == "gossip_ack":
-                    if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.channel.generation:
-                        self.channel.on_ack(route, msg)
-                    continue
-                if msg["op"] != "gossip":
-                    raise ProtocolError(f"unknown peer op {msg['op']!r}")
-                self._on_peer(route, msg, frames)
-            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
-                self.log.warning("dropped a malformed peer message: %s", exc)
+        drain(self.peer, True, self._peer_handlers, self._drops, 256)  # bounded: servers and the inbox go on
+
+    def _on_gossip_ack(self, route: bytes, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.channel.generation:
+            self.channel.on_ack(route, msg)
 
     # ------------------------------------------------------------------ inbox
     def _drain_inbox(self) -> None:

@@ -1,0 +1,57 @@
+"""The receive loop every role shares: read what is waiting, dispatch by ``op`` from one table.
+
+A message that is not ours, names an op the table does not have, or fails a handler's
+field checks (ProtocolError, and the KeyError/TypeError/ValueError of a bad field) is
+dropped; a flood of them costs one log line per second, not one per message, and never
+an exception in a receive loop. Each call reads at most ``limit`` messages, so a sender
+that floods one socket cannot starve the others, heartbeats or timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+
+from ..errors import ProtocolError
+from .framing import recv_message
+
+Handler = Callable[[Any, dict[str, Any], list[zmq.Frame]], None]  # (routing id or None, header, payload frames)
+MALFORMED = (ProtocolError, KeyError, TypeError, ValueError)
+
+
+class DropLog:
+    """Reports dropped messages at most once per ``interval`` seconds, with how many more."""
+
+    def __init__(self, log: logging.Logger, what: str, interval: float = 1.0) -> None:
+        self.log, self.what, self.interval = log, what, interval
+        self.last = -float("inf")
+        self.unreported = 0
+
+    def dropped(self, why: object) -> None:
+        """Count one dropped message; log it if the last line is old enough."""
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.unreported += 1
+            return
+        more = f" (and {self.unreported} more since the last report)" if self.unreported else ""
+        self.log.warning("dropped a malformed %s: %s%s", self.what, why, more)
+        self.last, self.unreported = now, 0
+
+
+def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops: DropLog, limit: int) -> None:
+    """Handle up to ``limit`` waiting messages of ``sock`` by their ``op``."""
+    for _ in range(limit):
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        try:
+            route, msg, frames = recv_message(sock, routed)
+            handler = handlers.get(msg["op"])
+            if handler is None:
+                raise ProtocolError(f"unknown op {msg['op']!r}")
+            handler(route, msg, frames)
+        except MALFORMED as exc:
+            drops.dropped(exc)
