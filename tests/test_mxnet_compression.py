@@ -168,3 +168,63 @@ def test_gossip_mode_compresses_its_messages(cluster):
     assert first["mode"] == "gossip" and first["momentum"] == 0.9, first
     assert first["last"] < first["first"] and 0 < first["distance"] < 0.05, first
     assert first["after"] < 1e-6 and abs(first["checksum"] - second["checksum"]) < 1e-3, (first, second)
+
+
+GC_EXAMPLE = '''
+import argparse
+import mxnet as mx, numpy as np
+import mxnet_plugin as bps
+
+# The calls BytePS's train_gluon_mnist_byteps_gc.py makes, in its order, with its options;
+# the data is made here instead of downloaded (their scripts cannot ship with ours).
+parser = argparse.ArgumentParser()
+parser.add_argument("--compressor", type=str, default="")
+parser.add_argument("--ef", type=str, default="")
+parser.add_argument("--compress-momentum", type=str, default="")
+parser.add_argument("--scaling", action="store_true", default=False)
+parser.add_argument("--k", type=int, default=1)
+parser.add_argument("--fp16-pushpull", action="store_true", default=False)
+args = parser.parse_args({argv!r})
+bps.init()
+ctx = mx.cpu(bps.local_rank())
+num_workers = bps.size()
+net = mx.gluon.nn.HybridSequential()
+net.add(mx.gluon.nn.Dense(256, activation="relu"), mx.gluon.nn.Dense(10))
+net.initialize(mx.init.MSRAPrelu(), ctx=ctx)
+net.hybridize()
+compression_params = {{"compressor": args.compressor, "ef": args.ef, "momentum": args.compress_momentum,
+                      "scaling": args.scaling, "k": args.k, "fp16": args.fp16_pushpull}}
+optimizer_params = {{"momentum": 0.9, "wd": 1e-4, "learning_rate": 0.01 * num_workers}}
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", optimizer_params,
+                                 compression_params=compression_params)
+loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.default_rng(bps.rank())
+for step in range(20):
+    data = mx.nd.array(rng.normal(size=(32, 784)), ctx=ctx)
+    label = mx.nd.array(rng.integers(0, 10, 32), ctx=ctx)
+    with mx.autograd.record():
+        loss = loss_fn(net(data), label)
+    loss.backward()
+    trainer.step(32)
+bps.byteps_declare_tensor("acc")
+acc = mx.nd.array([float(bps.rank() + 1)], ctx=ctx)
+bps.byteps_push_pull(acc, name="acc", is_average=False)
+report({{"acc": float(acc.asscalar()), "mode": trainer.mode,
+        "checksum": float(sum(p.data().abs().sum().asscalar() for p in net.collect_params().values()))}})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [[], ["--compressor", "onebit", "--ef", "vanilla", "--compress-momentum", "nesterov",
+                                       "--scaling"], ["--compressor", "topk", "--k", "100"]],
+                         ids=["none", "onebit", "topk"])
+def test_byteps_gc_example_calls(cluster, argv):
+    """BytePS's compression example, as a user would run it with allreduce chosen from outside
+    (BPS_GOSSIP_MODE, i.e. bpslaunch --mode allreduce): ranks end identical."""
+    job = cluster(2, 1, {"OMP_NUM_THREADS": "1", "BPS_GOSSIP_MODE": "allreduce"})
+    done = job.run_workers(GC_EXAMPLE.format(argv=argv), timeout=100)
+    assert_all_ok(done, job)
+    first, second = (f.result for f in done)
+    assert first["acc"] == second["acc"] == 3.0 and first["mode"] == "allreduce"
+    assert first["checksum"] == second["checksum"], (first, second)
