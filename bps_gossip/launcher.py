@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import importlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -54,6 +55,7 @@ SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit aft
 _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Local mode owns these: every process runs on this machine, in one job.
+_SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
 _LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT")
 
 
@@ -119,20 +121,35 @@ class Supervisor:
 
     def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes,
               tail: collections.deque[str] | None = None) -> None:
-        """Copy ``pipe`` to ``sink`` one line at a time, each behind ``prefix``."""
+        """Copy ``pipe`` to ``sink`` behind ``prefix``, one line at a time; a carriage return
+        ends a segment too, so progress bars (tqdm redraws with '\r') stay whole and prefixed
+        instead of piling up into one garbled line."""
         out = getattr(sink, "buffer", None)
+        pending = b""
         with pipe:
-            for line in iter(pipe.readline, b""):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                if tail is not None:
-                    tail.append(line.decode(errors="replace").rstrip())
-                with self._out_lock:
-                    if out is not None:
-                        out.write(prefix + line)
-                    else:  # a text-only stream (e.g. replaced by a test harness)
-                        sink.write((prefix + line).decode(errors="replace"))
-                    sink.flush()
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                pending += chunk
+                segments = _SEGMENT_END.split(pending)
+                pending = segments.pop()  # the part after the last terminator (maybe empty)
+                if not pending and segments and segments[-1] == b"\r":  # maybe the first half of "\r\n"
+                    pending = b"".join(segments[-2:])
+                    del segments[-2:]
+                for text, end in zip(segments[0::2], segments[1::2], strict=True):
+                    if not text and end == b"\r":
+                        continue  # a bar's leading carriage return: nothing to show yet
+                    self._emit(out, sink, prefix + text + end, tail if end != b"\r" else None)
+            if pending:
+                self._emit(out, sink, prefix + pending + b"\n", tail)
+
+    def _emit(self, out: IO[bytes] | None, sink: IO[str], segment: bytes, tail: collections.deque[str] | None) -> None:
+        if tail is not None:
+            tail.append(segment.decode(errors="replace").rstrip())
+        with self._out_lock:
+            if out is not None:
+                out.write(segment)
+            else:  # a text-only stream (e.g. replaced by a test harness)
+                sink.write(segment.decode(errors="replace"))
+            sink.flush()
 
     def note(self, message: str) -> None:
         """Print one line of bpslaunch's own on stderr."""

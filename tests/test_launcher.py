@@ -172,6 +172,30 @@ def test_single_worker_runs_alone_and_keeps_its_flags(job, separator):
 
 
 @pytest.mark.timeout(30)
+def test_progress_bars_stay_whole_behind_their_prefix(job):
+    body = """
+import sys, time
+import bps_gossip as bps
+bps.init()
+for step in range(1, 4):
+    sys.stderr.write(f"\\rprogress {step}/3")  # as tqdm redraws its bar
+    sys.stderr.flush()
+    time.sleep(0.05)
+sys.stderr.write("\\r\\n")
+print("done")
+bps.shutdown()
+"""
+    code, out, err = job.finish(job.start(["-np", "2", sys.executable, job.script(body)]))
+    assert code == 0, out + err
+    lines = err.splitlines()  # the captured file reads '\r' as a line end too
+    for rank in range(2):
+        assert [line for line in lines if line.startswith(f"[{rank}] progress")] == \
+            [f"[{rank}] progress {step}/3" for step in range(1, 4)], repr(err)
+        assert f"[{rank}] done" in out.splitlines()
+    assert all(line.startswith(("[0] ", "[1] ", "bpslaunch")) for line in lines if line), repr(err)
+
+
+@pytest.mark.timeout(30)
 def test_mode_flag_sets_the_trainer_default(job):
     body = "from bps_gossip import load_config; print('MODE', load_config().mode)\n"
     code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, job.script(body)]))
