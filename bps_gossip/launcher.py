@@ -71,6 +71,7 @@ class _Child:
     proc: subprocess.Popen
     pumps: list[threading.Thread]
     code: int | None = None
+    log: IO[bytes] | None = None  # --output-dir: this process's own log file
     # The last lines it printed on stderr (when piped): bpslaunch quotes them when it fails.
     tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
 
@@ -81,6 +82,10 @@ class Supervisor:
     Use as a context manager: leaving it kills every process group still alive, even on
     an exception, and restores the signal handlers it installed.
     """
+
+    # Set from the command line (--output-dir, --timestamps) for every Supervisor of this bpslaunch.
+    output_dir: str | None = None
+    timestamps: bool = False
 
     def __init__(self) -> None:
         self.children: list[_Child] = []
@@ -111,8 +116,13 @@ class Supervisor:
                                 start_new_session=True)
         child = _Child(label, role, proc, [])
         if prefix is not None:
+            log = None
+            if self.output_dir is not None:  # one file per process, its output without prefixes
+                os.makedirs(self.output_dir, exist_ok=True)
+                log = open(os.path.join(self.output_dir, label.replace(" ", "") + ".log"), "ab")  # noqa: SIM115
+                child.log = log
             for pipe_in, sink, tail in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, child.tail)):
-                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail),
+                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail, log),
                                           name=f"bpslaunch-{label}", daemon=True)
                 thread.start()
                 child.pumps.append(thread)
@@ -120,7 +130,7 @@ class Supervisor:
         return child
 
     def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes,
-              tail: collections.deque[str] | None = None) -> None:
+              tail: collections.deque[str] | None = None, log: IO[bytes] | None = None) -> None:
         """Copy ``pipe`` to ``sink`` behind ``prefix``, one line at a time; a carriage return
         ends a segment too, so progress bars (tqdm redraws with '\r') stay whole and prefixed
         instead of piling up into one garbled line."""
@@ -137,14 +147,21 @@ class Supervisor:
                 for text, end in zip(segments[0::2], segments[1::2], strict=True):
                     if not text and end == b"\r":
                         continue  # a bar's leading carriage return: nothing to show yet
-                    self._emit(out, sink, prefix + text + end, tail if end != b"\r" else None)
+                    self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)
             if pending:
-                self._emit(out, sink, prefix + pending + b"\n", tail)
+                self._emit(out, sink, prefix, pending + b"\n", tail, log)
 
-    def _emit(self, out: IO[bytes] | None, sink: IO[str], segment: bytes, tail: collections.deque[str] | None) -> None:
+    def _emit(self, out: IO[bytes] | None, sink: IO[str], prefix: bytes, piece: bytes,
+              tail: collections.deque[str] | None, log: IO[bytes] | None) -> None:
         if tail is not None:
-            tail.append(segment.decode(errors="replace").rstrip())
+            tail.append(piece.decode(errors="replace").rstrip())
+        if self.timestamps:
+            prefix = time.strftime("%H:%M:%S ").encode() + prefix
+        segment = prefix + piece
         with self._out_lock:
+            if log is not None:
+                log.write(piece)
+                log.flush()
             if out is not None:
                 out.write(segment)
             else:  # a text-only stream (e.g. replaced by a test harness)
@@ -260,6 +277,8 @@ class Supervisor:
             for child in self.children:
                 for pump in child.pumps:
                     pump.join(timeout=2.0)
+                if child.log is not None:
+                    child.log.close()
         finally:
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -419,6 +438,10 @@ slot's last worker exited 0, else the failed worker's code or the scheduler's (1
                              "and servers (none when N is 1, unless BYTEPS_FORCE_DISTRIBUTED=1)")
     parser.add_argument("--num-servers", type=int, metavar="S",
                         help="local mode: the number of servers (default 1)")
+    parser.add_argument("--output-dir", metavar="DIR",
+                        help="also write each process's output, without prefixes, to DIR/worker0.log, "
+                             "DIR/server0.log, DIR/scheduler.log, ...")
+    parser.add_argument("--timestamps", action="store_true", help="begin every forwarded line with the time")
     parser.add_argument("--mode", choices=TRAINER_MODES,
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
                              "(SGP, the default) or allreduce (BytePS's gradient averaging)")
@@ -449,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     elastic = ElasticOptions(args.min_np, args.max_np, args.reset_limit, args.elastic_timeout)
+    Supervisor.output_dir, Supervisor.timestamps = args.output_dir, args.timestamps
     if args.mode is not None:  # every child inherits it, whichever way the job is launched
         os.environ["BPS_GOSSIP_MODE"] = args.mode
     try:

@@ -196,6 +196,19 @@ bps.shutdown()
 
 
 @pytest.mark.timeout(30)
+def test_output_dir_and_timestamps(job, tmp_path):
+    logs = tmp_path / "logs"
+    code, out, err = job.finish(job.start(["--output-dir", str(logs), "--timestamps", "-np", "2", sys.executable,
+                                           job.script(SUM_SCRIPT)]))
+    assert code == 0, out + err
+    assert sorted(p.name for p in logs.iterdir()) == ["scheduler.log", "server0.log", "worker0.log", "worker1.log"]
+    for rank in range(2):
+        own = (logs / f"worker{rank}.log").read_text()
+        assert own.startswith(f"OUT {rank} 2 [2.0, 2.0, 2.0]"), own  # the process's own lines, no prefix
+    assert re.search(r"^\d\d:\d\d:\d\d \[0\] OUT 0 2", out, re.M), out
+
+
+@pytest.mark.timeout(30)
 def test_mode_flag_sets_the_trainer_default(job):
     body = "from bps_gossip import load_config; print('MODE', load_config().mode)\n"
     code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, job.script(body)]))
