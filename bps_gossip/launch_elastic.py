@@ -15,13 +15,10 @@ import shlex
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from .config import Config, load_config
 from .errors import ConfigError
-
-if TYPE_CHECKING:  # the launcher imports this module; the types only matter to checkers
-    from .launcher import Supervisor, _Child
+from .supervisor import Supervisor, _Child
 
 SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
 _POLL_SECONDS = 0.05

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns.py and netns_t
 
 import netns  # noqa: E402
 
-from bps_gossip.launcher import Supervisor  # noqa: E402
+from bps_gossip.supervisor import Supervisor  # noqa: E402
 
 SCHEDULER_PORT = 9000  # fixed is fine: the port exists only inside the scheduler's private namespace
 LAUNCHER = [sys.executable, "-m", "bps_gossip.launcher"]  # bpslaunch, with this interpreter

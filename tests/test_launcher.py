@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cluster import FAST_ENV, free_port
 
-from bps_gossip import launcher
+from bps_gossip import launcher, supervisor
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launcher"]
 
@@ -309,4 +309,4 @@ def test_help_and_exit_codes(capsys):
     text = capsys.readouterr().out
     for word in ("-np", "--num-servers", "DMLC_ROLE", "BYTEPS_LOCAL_SIZE", "Exit status"):
         assert word in text
-    assert launcher.exit_code(-signal.SIGKILL) == 137 and launcher.exit_code(3) == 3
+    assert supervisor.exit_code(-signal.SIGKILL) == 137 and supervisor.exit_code(3) == 3

@@ -1,0 +1,254 @@
+"""The children of one bpslaunch: start them in their own sessions, forward their output
+behind a prefix, notice who ended, and stop them all (used by bpslaunch's local, BytePS and
+elastic modes and by scripts/netns_cluster.py).
+
+Every child runs in its own session, so that stopping it also stops whatever it started:
+the supervisor sends the signal to the child's process group, waits a grace period, then
+sends SIGKILL.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import IO
+
+GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
+SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
+_POLL_SECONDS = 0.05
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Local mode owns these: every process runs on this machine, in one job.
+_SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: a child killed by signal N becomes 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclasses.dataclass
+class _Child:
+    label: str
+    role: str
+    proc: subprocess.Popen
+    pumps: list[threading.Thread]
+    code: int | None = None
+    log: IO[bytes] | None = None  # --output-dir: this process's own log file
+    # The last lines it printed on stderr (when piped): bpslaunch quotes them when it fails.
+    tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
+
+
+class Supervisor:
+    """The children of one bpslaunch: start them, forward their output, stop them all.
+
+    Use as a context manager: leaving it kills every process group still alive, even on
+    an exception, and restores the signal handlers it installed.
+    """
+
+    # Set from the command line (--output-dir, --timestamps) for every Supervisor of this bpslaunch.
+    output_dir: str | None = None
+    timestamps: bool = False
+
+    def __init__(self) -> None:
+        self.children: list[_Child] = []
+        self.signals: list[int] = []  # signals bpslaunch received, in order
+        self._out_lock = threading.Lock()
+        self._old_handlers: dict[int, object] = {}
+
+    def __enter__(self) -> Supervisor:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _STOP_SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)  # acted on by the waiting loop, never inside the handler
+
+    # -- starting -------------------------------------------------------------------
+    def start(self, argv: list[str], env: Mapping[str, str], role: str, label: str,
+              prefix: str | None) -> _Child:
+        """Start ``argv`` in a new session. With a ``prefix``, its stdout and stderr are piped
+        and forwarded line by line behind the prefix; without one, it shares ours."""
+        pipe = subprocess.PIPE if prefix is not None else None
+        stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
+        proc = subprocess.Popen(argv, env=dict(env), stdin=stdin, stdout=pipe, stderr=pipe,
+                                start_new_session=True)
+        child = _Child(label, role, proc, [])
+        if prefix is not None:
+            log = None
+            if self.output_dir is not None:  # one file per process, its output without prefixes
+                os.makedirs(self.output_dir, exist_ok=True)
+                log = open(os.path.join(self.output_dir, label.replace(" ", "") + ".log"), "ab")  # noqa: SIM115
+                child.log = log
+            for pipe_in, sink, tail in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, child.tail)):
+                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail, log),
+                                          name=f"bpslaunch-{label}", daemon=True)
+                thread.start()
+                child.pumps.append(thread)
+        self.children.append(child)
+        return child
+
+    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes,
+              tail: collections.deque[str] | None = None, log: IO[bytes] | None = None) -> None:
+        """Copy ``pipe`` to ``sink`` behind ``prefix``, one line at a time; a carriage return
+        ends a segment too, so progress bars (tqdm redraws with '\r') stay whole and prefixed
+        instead of piling up into one garbled line."""
+        out = getattr(sink, "buffer", None)
+        pending = b""
+        with pipe:
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                pending += chunk
+                segments = _SEGMENT_END.split(pending)
+                pending = segments.pop()  # the part after the last terminator (maybe empty)
+                if not pending and segments and segments[-1] == b"\r":  # maybe the first half of "\r\n"
+                    pending = b"".join(segments[-2:])
+                    del segments[-2:]
+                for text, end in zip(segments[0::2], segments[1::2], strict=True):
+                    if not text and end == b"\r":
+                        continue  # a bar's leading carriage return: nothing to show yet
+                    self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)
+            if pending:
+                self._emit(out, sink, prefix, pending + b"\n", tail, log)
+
+    def _emit(self, out: IO[bytes] | None, sink: IO[str], prefix: bytes, piece: bytes,
+              tail: collections.deque[str] | None, log: IO[bytes] | None) -> None:
+        if tail is not None:
+            tail.append(piece.decode(errors="replace").rstrip())
+        if self.timestamps:
+            prefix = time.strftime("%H:%M:%S ").encode() + prefix
+        segment = prefix + piece
+        with self._out_lock:
+            if log is not None:
+                log.write(piece)
+                log.flush()
+            if out is not None:
+                out.write(segment)
+            else:  # a text-only stream (e.g. replaced by a test harness)
+                sink.write(segment.decode(errors="replace"))
+            sink.flush()
+
+    def note(self, message: str) -> None:
+        """Print one line of bpslaunch's own on stderr."""
+        with self._out_lock:
+            print(f"bpslaunch: {message}", file=sys.stderr, flush=True)
+
+    # -- waiting --------------------------------------------------------------------
+    def reap(self) -> list[_Child]:
+        """Record the exit codes of children that ended since the last call; return them."""
+        ended = []
+        for child in self.children:
+            if child.code is None and child.proc.poll() is not None:
+                child.code = exit_code(child.proc.returncode)
+                ended.append(child)
+        return ended
+
+    def wait(self, fail_fast: bool) -> int:
+        """Wait for every worker; return the first non-zero exit code (in time), else 0.
+
+        With ``fail_fast``, a worker that fails, or a scheduler or server that fails before
+        the workers are done, stops the whole job at once. A stop signal always does.
+        """
+        first_error = 0
+        while True:
+            if self.signals:
+                sig = self.signals[0]
+                self.note(f"got {signal.Signals(sig).name}; stopping every process")
+                self.stop(sig)
+                return 128 + sig
+            for child in self.reap():
+                if child.code != 0 and first_error == 0:
+                    if fail_fast or child.role == "worker":
+                        first_error = child.code
+                    if fail_fast:
+                        self.note(f"{child.label} (pid {child.proc.pid}) exited with code {child.code}; "
+                                  "stopping every process")
+                        self.stop(signal.SIGTERM)
+                        return first_error
+            if all(c.code is not None for c in self.children if c.role == "worker"):
+                break
+            time.sleep(_POLL_SECONDS)
+        self.wait_services()
+        if self.signals:
+            self.stop(self.signals[0])
+            return 128 + self.signals[0]
+        return first_error
+
+    def wait_services(self) -> None:
+        """Give the scheduler and servers a bounded time to exit by themselves."""
+        deadline = time.monotonic() + SERVICE_EXIT_SECONDS
+        while any(c.code is None for c in self.children) and time.monotonic() < deadline and not self.signals:
+            time.sleep(_POLL_SECONDS)
+            self.reap()
+        late = [c.label for c in self.children if c.code is None]
+        if late:
+            self.note(f"{', '.join(late)} did not exit within {SERVICE_EXIT_SECONDS:.0f} s "
+                      "after the workers; stopping them")
+            self.stop(signal.SIGTERM)
+        for child in self.children:
+            if child.role != "worker" and child.code not in (0, None):
+                self.note(f"{child.label} exited with code {child.code} after the workers finished")
+
+    # -- stopping -------------------------------------------------------------------
+    @staticmethod
+    def signal_group(pgid: int, sig: int) -> bool:
+        """Send ``sig`` to a process group; False when the group is gone."""
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a zombie leader on some systems; treat as alive
+            return True
+        return True
+
+    def stop(self, sig: int) -> None:
+        """Send ``sig`` to every live child's group; SIGKILL what is left after the grace period
+        (at once if bpslaunch gets another stop signal meanwhile)."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for child in alive:
+            self.signal_group(child.proc.pid, sig)
+        seen = len(self.signals)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while (any(c.proc.poll() is None for c in alive) and time.monotonic() < deadline
+               and len(self.signals) <= seen):
+            time.sleep(_POLL_SECONDS)
+        for child in alive:
+            if child.proc.poll() is None:
+                self.signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+        self.reap()
+
+    def close(self) -> None:
+        """Kill every group still alive (also what finished children left behind), wait for
+        the output to drain, and restore the signal handlers."""
+        try:
+            groups = [c.proc.pid for c in self.children]
+            for child in self.children:
+                if child.proc.poll() is None:
+                    self.signal_group(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+            stragglers = [g for g in groups if self.signal_group(g, signal.SIGTERM)]
+            deadline = time.monotonic() + 1.0
+            while stragglers and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+                stragglers = [g for g in stragglers if self.signal_group(g, 0)]
+            for group in stragglers:
+                self.signal_group(group, signal.SIGKILL)
+            for child in self.children:
+                for pump in child.pumps:
+                    pump.join(timeout=2.0)
+                if child.log is not None:
+                    child.log.close()
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
