@@ -42,11 +42,11 @@ class Round:
 
     def __init__(
         self, rid: RoundId, name: str, sig: dict[str, Any], wire: str, count: int, expected: int,
-        codec: Codec | None = None,
+        codec: Codec | None = None, merge: tuple[bool, int | None] = (False, None),
     ) -> None:
         self.rid = rid
         self.codec = codec  # compressed pushes: decompressed into a float32 sum, compressed once at the end
-        self.merge: tuple[bool, int | None] = (False, None)  # the codec's (error feedback, seed)
+        self.merge = merge  # the codec's (error feedback, seed) on the server
         self.expected = expected
         self.name = name
         self.sig = sig

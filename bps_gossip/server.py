@@ -190,7 +190,7 @@ class Server:
             return
         if rnd.codec is not None:  # one compression of the sum; every worker gets the same bytes
             ef, seed = rnd.merge
-            generation, key, part, seq = rnd.rid
+            _, key, part, seq = rnd.rid
             state = self.feedback.setdefault((key, part), PartitionState())
             result = merge_on_server(ef, rnd.codec, rnd.acc, state, rng_for(seed, part, seq, 1))
             for push in rnd.pushes.values():
@@ -271,9 +271,8 @@ class Server:
         rid = (generation, key, part, seq)
         rnd = self.rounds.get(rid)
         if rnd is None:
-            rnd = self.rounds[rid] = Round(rid, name, sig, wire_str, count, size, codec)
-            if codec is not None:
-                rnd.merge = (ef, seed)
+            rnd = self.rounds[rid] = Round(rid, name, sig, wire_str, count, size, codec,
+                                           (ef, seed) if codec is not None else (False, None))
         elif push.rank in rnd.pushes:
             self._reply(push, {"op": "error", "kind": "protocol",
                                "why": f"tensor {name!r}: rank {push.rank} pushed partition {part} of round {seq} twice"})

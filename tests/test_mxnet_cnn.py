@@ -5,7 +5,8 @@ tests/cnn_job.py runs one before every phase and between training steps. Allredu
 mode and the KVStore must give the parameters of one process training on every
 rank's batch (BatchNorm's statistics are per batch, so the reference sums per-rank
 gradients), broadcasts leave ranks bit-identical, gossip ranks stay finite and draw
-together once the learning rate is 0.
+together once the learning rate is 0; with compression_params, allreduce ranks stay identical
+and compressed (CHOCO) gossip draws them together too.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def test_every_entry_point_trains_cnn(cluster, network, hybridize):
     assert gossip[0]["distances"] == gossip[1]["distances"]  # a collective: one value
     assert gossip[0]["averaged"] == gossip[1]["averaged"], "average_parameters() left ranks apart"
     assert all(r["statistics_moved"] for r in gossip), "BatchNorm's running statistics never moved"
+
+    compressed = phases["compressed_allreduce"]
+    assert compressed[0]["digest"] == compressed[1]["digest"], "compressed allreduce left ranks apart"
+    assert all(r["finite"] for r in compressed)
+    choco = phases["compressed_gossip"]
+    for r in choco:
+        assert r["mode"] == "gossip" and r["finite"] and all(np.isfinite(r["distances"]))
+        assert r["distances"][-1] < r["distances"][0], r["distances"]
+    assert choco[0]["averaged"] == choco[1]["averaged"], "average_parameters() left ranks apart"
 
     state = phases["elastic_state"]
     assert state[0]["synced"] == state[1]["synced"], "GluonState.sync() left ranks apart"

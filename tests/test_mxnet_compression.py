@@ -62,24 +62,19 @@ exact_velocity = {{n: np.zeros_like(w) for n, w in weights.items()}}
 exact = dict(weights)  # the same steps without compression, to show that compression acted
 workers = {{(r, n): PartitionState() for r in range(2) for n in names}}
 servers = {{n: PartitionState() for n in names}}
+def gradients_at(values, rank, step):
+    """rank's gradients at ``values``, divided by batch x workers as the trainer does."""
+    for n in names:
+        ref.collect_params()[n].set_data(mx.nd.array(values[n]))
+    data, label = batch(rank, step)
+    with mx.autograd.record():
+        loss = loss_fn(ref(data), label)
+    loss.backward()
+    return {{n: ref.collect_params()[n].grad().asnumpy() / (BATCH * 2) for n in names}}
+
 for step in range(STEPS):
-    grads = []
-    exact_grads = []
-    for rank in range(2):
-        for n in names:
-            ref.collect_params()[n].set_data(mx.nd.array(exact[n]))
-        data, label = batch(rank, step)
-        with mx.autograd.record():
-            loss = loss_fn(ref(data), label)
-        loss.backward()
-        exact_grads.append({{n: ref.collect_params()[n].grad().asnumpy() / (BATCH * 2) for n in names}})
-        for n in names:
-            ref.collect_params()[n].set_data(mx.nd.array(weights[n]))
-        data, label = batch(rank, step)
-        with mx.autograd.record():
-            loss = loss_fn(ref(data), label)
-        loss.backward()
-        grads.append({{n: ref.collect_params()[n].grad().asnumpy() / (BATCH * 2) for n in names}})
+    exact_grads = [gradients_at(exact, rank, step) for rank in range(2)]
+    grads = [gradients_at(weights, rank, step) for rank in range(2)]
     for n in names:
         wire = [g[n].astype(np.float16) if fp16 else g[n] for g in grads]
         if spec is not None and wire[0].nbytes >= 65536:

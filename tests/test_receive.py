@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import msgpack
 import zmq
@@ -33,7 +32,7 @@ def test_dispatch_bounds_and_rate_limited_drops(caplog):
             seen.append((route is not None, msg["n"], [bytes(f.buffer) for f in frames]))
 
         drops = DropLog(logging.getLogger("receive-test"), "message")
-        time.sleep(0.1)
+        assert server.poll(1000)  # one message in: the 300 were sent before, in order
         with caplog.at_level(logging.WARNING, logger="receive-test"):
             drain(server, True, {"echo": echo}, drops, 100)
             assert len(seen) == 34  # 100 messages read, one in three valid
@@ -42,7 +41,7 @@ def test_dispatch_bounds_and_rate_limited_drops(caplog):
         assert len(caplog.records) == 1 and "dropped a malformed message" in caplog.records[0].getMessage()
         assert drops.unreported == 199
         client.send(msgpack.packb({"op": "shutdown"}))
-        time.sleep(0.05)
+        assert server.poll(1000)
         drops.last -= 2  # a second later: the next drop is reported, with the count of the others
         with caplog.at_level(logging.WARNING, logger="receive-test"):
             drain(server, True, {"echo": echo}, drops, 10)

@@ -117,8 +117,9 @@ def compress_on_worker(spec: CompressionSpec, codec: Codec, grad: np.ndarray, st
 
 def merge_on_server(ef: bool, codec: Codec, total: np.ndarray, state: PartitionState,
                     rng: np.random.Generator) -> np.ndarray:
-    """Error feedback (if on) and compression of a round's sum; returns the bytes every worker gets."""
-    return _with_feedback(ef, codec, np.asarray(total, dtype=np.float32).copy(), state, rng)
+    """Error feedback (if on) and compression of a round's float32 sum, which it may change
+    (the round is over); returns the bytes every worker gets."""
+    return _with_feedback(ef, codec, total, state, rng)
 
 
 def _with_feedback(ef: bool, codec: Codec, p: np.ndarray, state: PartitionState,
