@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 from .config import TRAINER_MODES, load_config
 from .errors import ConfigError
+from .hosts import parse_hosts, place_workers, read_hostfile
 from .launch_elastic import (
     ElasticOptions,
     ElasticRun,
@@ -40,6 +41,7 @@ from .launch_elastic import (
     join_env,
     restart_delay,
 )
+from .launch_ssh import SshOptions, run_hosts
 from .supervisor import Supervisor
 from .transport import shm
 
@@ -163,6 +165,18 @@ def run_byteps(command: list[str], env: Mapping[str, str] | None = None) -> int:
         return sup.wait(fail_fast=False)
 
 
+def _run_multi_host(args: argparse.Namespace, command: list[str], elastic: ElasticOptions) -> int:
+    if args.hosts is not None and args.hostfile is not None:
+        raise ConfigError("give the hosts with -H or with --hostfile, not both")
+    if elastic != ElasticOptions():
+        raise ConfigError("elastic jobs (--min-np, --max-np, ...) run on one host; over several hosts, start "
+                          "each role BytePS style with BPS_GOSSIP_ELASTIC=1")
+    hosts = parse_hosts(args.hosts) if args.hosts is not None else read_hostfile(args.hostfile)
+    placements = place_workers(hosts, args.num_proc)
+    ssh = SshOptions(args.ssh_port, args.ssh_identity_file, tuple(args.ssh_options))
+    return run_hosts(placements, args.num_servers, command, args.forward, ssh, args.remote_python)
+
+
 # -- command line ------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of bpslaunch."""
@@ -180,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
   DMLC_ROLE=worker DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=2 bpslaunch python train.py
   bpslaunch -np 4 --min-np 2 --max-np 6 --reset-limit 3 python train.py   elastic, local
   bpslaunch --join --root 127.0.0.1:9000 python train.py                  one more worker
+  bpslaunch -np 8 -H host1:4,host2:4 python train.py     over ssh, 4 workers on each host
+  bpslaunch --hostfile hosts.txt -x LD_LIBRARY_PATH python train.py   lines 'host slots=N'
 
 BytePS mode reads DMLC_ROLE (worker, server or scheduler), DMLC_NUM_WORKER (worker
 machines), BYTEPS_LOCAL_SIZE (worker processes per machine), DMLC_WORKER_ID (this
@@ -207,6 +223,21 @@ slot's last worker exited 0, else the failed worker's code or the scheduler's (1
     parser.add_argument("--mode", choices=TRAINER_MODES,
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
                              "(SGP, the default) or allreduce (BytePS's gradient averaging)")
+    multi = parser.add_argument_group("several hosts over ssh (as horovodrun and mpirun)")
+    multi.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="the hosts and how many workers each may run, e.g. host1:4,host2:4 (slots "
+                            "default to 1); workers fill them in order; -np defaults to every slot")
+    multi.add_argument("--hostfile", metavar="FILE", help="the hosts, one per line: 'host slots=N'")
+    multi.add_argument("-x", dest="forward", action="append", default=[], metavar="NAME[=VALUE]",
+                       help="also give this variable to every process (BYTEPS_*, BPS_GOSSIP_*, DMLC_*, "
+                            "MXNET_* and OMP_* are always passed on); repeatable")
+    multi.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh's port on every host")
+    multi.add_argument("--ssh-identity-file", metavar="FILE", help="ssh's private key (ssh -i)")
+    multi.add_argument("--ssh-option", dest="ssh_options", action="append", default=[], metavar="OPT",
+                       help="an ssh option (ssh -o OPT), e.g. StrictHostKeyChecking=accept-new; repeatable")
+    multi.add_argument("--remote-python", metavar="PATH",
+                       help="the Python that runs bps_gossip on the hosts (default: this one's path, "
+                            f"{sys.executable})")
     elastic = parser.add_argument_group("elastic jobs (local mode)")
     elastic.add_argument("--min-np", type=int, metavar="A",
                          help="elastic: the job fails when fewer than A workers remain for longer than "
@@ -245,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_join(args.root, command)
         if args.root is not None:
             raise ConfigError("--root needs --join")
+        if args.hosts is not None or args.hostfile is not None:
+            return _run_multi_host(args, command, elastic)
+        if args.forward or args.ssh_port is not None or args.ssh_identity_file or args.ssh_options \
+                or args.remote_python:
+            raise ConfigError("-x, --ssh-* and --remote-python need -H or --hostfile")
         if args.num_proc is None:
             if args.num_servers is not None:
                 raise ConfigError("--num-servers needs -np; in BytePS mode set DMLC_NUM_SERVER")

@@ -77,13 +77,24 @@ class Supervisor:
 
     # -- starting -------------------------------------------------------------------
     def start(self, argv: list[str], env: Mapping[str, str], role: str, label: str,
-              prefix: str | None) -> _Child:
+              prefix: str | None, stdin_data: bytes | None = None) -> _Child:
         """Start ``argv`` in a new session. With a ``prefix``, its stdout and stderr are piped
-        and forwarded line by line behind the prefix; without one, it shares ours."""
+        and forwarded line by line behind the prefix; without one, it shares ours. With
+        ``stdin_data``, its stdin is a pipe that gets these bytes and then stays open until the
+        child ends (bps_gossip.remote stops its command when its stdin ends)."""
         pipe = subprocess.PIPE if prefix is not None else None
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
+        if stdin_data is not None:
+            stdin = subprocess.PIPE
         proc = subprocess.Popen(argv, env=dict(env), stdin=stdin, stdout=pipe, stderr=pipe,
                                 start_new_session=True)
+        if stdin_data is not None:
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(stdin_data)
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # it ended at once: its exit code tells the waiting loop
         child = _Child(label, role, proc, [])
         if prefix is not None:
             log = None

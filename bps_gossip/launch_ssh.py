@@ -1,0 +1,188 @@
+"""``bpslaunch -H host1:4,host2:4 COMMAND`` (or ``--hostfile FILE``): one job on several hosts,
+started from one command over ssh.
+
+First every host is checked in parallel (ssh in batch mode with a connect timeout, and the
+Python there must import bps_gossip: ``python -m bps_gossip.remote --probe``). Then the
+scheduler runs on the first host, the servers one per host (``--num-servers`` to change),
+and the workers fill the hosts' slots in order, each process through its own ssh
+connection to :mod:`bps_gossip.remote`, which runs it in the same directory as bpslaunch
+with the job's DMLC_* environment and secret. Output is prefixed with rank and host. The
+first failure, or Ctrl-C, stops every process on every host: closing a connection stops
+what runs at its other end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from .errors import ConfigError
+from .hosts import Host, Placement
+from .supervisor import Supervisor
+
+# Forwarded to every process without -x: the project's own settings and MXNet's.
+FORWARDED_PREFIXES = ("BYTEPS_", "BPS_GOSSIP_", "DMLC_", "MXNET_", "OMP_")
+_NOT_FORWARDED = {"BPS_GOSSIP_SECRET", "BPS_GOSSIP_SECRET_FILE", "DMLC_ROLE", "DMLC_WORKER_ID",
+                  "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
+                  "DMLC_NODE_HOST", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BPS_GOSSIP_PORT"}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PROBE_SECONDS = 30.0  # for one host's check, connection included
+
+
+@dataclasses.dataclass(frozen=True)
+class SshOptions:
+    """How bpslaunch reaches the hosts: ssh's port, identity file and extra ``-o`` options."""
+
+    port: int | None = None
+    identity_file: str | None = None
+    options: tuple[str, ...] = ()
+    connect_timeout: int = 10
+
+    def argv(self, host: Host, remote_command: Sequence[str]) -> list[str]:
+        """The ssh command line that runs ``remote_command`` on ``host``."""
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}"]
+        if self.port is not None:
+            argv += ["-p", str(self.port)]
+        if self.identity_file is not None:
+            argv += ["-i", self.identity_file]
+        for option in self.options:
+            argv += ["-o", option]
+        return [*argv, host.target, shlex.join(remote_command)]
+
+
+def forwarded_env(env: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+    """The variables every remote process gets: the project's (FORWARDED_PREFIXES) and each
+    ``-x NAME`` (its value here) or ``-x NAME=VALUE``, as mpirun and horovodrun take them."""
+    out = {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and k not in _NOT_FORWARDED}
+    for item in names:
+        name, equals, value = item.partition("=")
+        if not _NAME.match(name):
+            raise ConfigError(f"-x {item!r}: {name!r} is not an environment variable name")
+        if equals:
+            out[name] = value
+        elif name in env:
+            out[name] = env[name]
+        else:
+            raise ConfigError(f"-x {name}: {name} is not set here (use -x {name}=VALUE to give a value)")
+    return out
+
+
+def job_secret(env: Mapping[str, str]) -> str:
+    """The job's secret: BPS_GOSSIP_SECRET, or the content of BPS_GOSSIP_SECRET_FILE, or a fresh
+    one (remote hosts get it on their ssh connection's stdin, never on a command line)."""
+    if env.get("BPS_GOSSIP_SECRET"):
+        return env["BPS_GOSSIP_SECRET"]
+    path = env.get("BPS_GOSSIP_SECRET_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as file:
+                return file.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"BPS_GOSSIP_SECRET_FILE={path}: cannot read it: {exc.strerror}") from None
+    return secrets.token_hex(32)
+
+
+def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str, dict]:
+    """Check every host at once; return each one's probe (see :func:`bps_gossip.remote.probe`),
+    or raise ConfigError naming every host that failed and why."""
+    def one(host: Host) -> dict:
+        argv = ssh.argv(host, [python, "-m", "bps_gossip.remote", "--probe"])
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=PROBE_SECONDS)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"{host.target}: no answer within {PROBE_SECONDS:.0f} s") from None
+        if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m bps_gossip.remote failed)"
+            raise ConfigError(f"{host.target}{hint}: {why}")
+        try:
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            raise ConfigError(f"{host.target}: unexpected answer to the check: {done.stdout[-200:]!r}") from None
+
+    failures = []
+    answers: dict[str, dict] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        for host, future in [(host, pool.submit(one, host)) for host in hosts]:
+            try:
+                answers[host.address] = future.result()
+            except ConfigError as exc:
+                failures.append(str(exc))
+    if failures:
+        raise ConfigError("cannot use every host:\n  " + "\n  ".join(failures))
+    return answers
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteProcess:
+    """One process of the job: where it runs, its role, label, prefix and environment."""
+
+    host: Host
+    role: str
+    label: str
+    prefix: str
+    env: dict[str, str]
+
+
+def plan(placements: Sequence[Placement], num_servers: int | None, root_port: int,
+         common: Mapping[str, str]) -> list[RemoteProcess]:
+    """Every process of the job: the scheduler on the first host, servers one per host (or
+    ``num_servers`` spread over the hosts in turn), then the workers host by host."""
+    hosts = [p.host for p in placements]
+    servers = len(hosts) if num_servers is None else num_servers
+    if servers < 1:
+        raise ConfigError(f"--num-servers {servers}: the number of servers must be >= 1")
+    base = {**common, "DMLC_NUM_WORKER": str(len(placements)), "DMLC_NUM_SERVER": str(servers),
+            "DMLC_PS_ROOT_URI": hosts[0].address, "DMLC_PS_ROOT_PORT": str(root_port),
+            "PYTHONUNBUFFERED": "1"}
+    processes = [RemoteProcess(hosts[0], "scheduler", "scheduler", f"[scheduler@{hosts[0].address}] ",
+                               {**base, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": hosts[0].address})]
+    for index in range(servers):
+        host = hosts[index % len(hosts)]
+        processes.append(RemoteProcess(host, "server", f"server{index}", f"[server{index}@{host.address}] ",
+                                       {**base, "DMLC_ROLE": "server", "DMLC_NODE_HOST": host.address}))
+    for placement in placements:
+        address = placement.host.address
+        for local_rank in range(placement.workers):
+            rank = placement.first_rank + local_rank
+            processes.append(RemoteProcess(placement.host, "worker", f"worker{rank}", f"[{rank}@{address}] ", {
+                **base, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": address, "DMLC_WORKER_ID": str(placement.index),
+                "BYTEPS_LOCAL_SIZE": str(placement.workers), "BYTEPS_LOCAL_RANK": str(local_rank)}))
+    return processes
+
+
+def run_hosts(placements: Sequence[Placement], num_servers: int | None, command: list[str],
+              forward: Sequence[str] = (), ssh: SshOptions | None = None, python: str | None = None,
+              env: Mapping[str, str] | None = None) -> int:
+    """Run one job on ``placements``' hosts over ssh; return the first failure's exit code, else 0."""
+    ssh = ssh or SshOptions()
+    python = python or sys.executable
+    env = os.environ if env is None else env
+    if not command:
+        raise ConfigError("no command given for the workers (e.g. bpslaunch -H a:2,b:2 python train.py)")
+    common = forwarded_env(env, forward)
+    secret = job_secret(env)
+    probes = probe_hosts([p.host for p in placements], ssh, python)
+    root_port = int(env["DMLC_PS_ROOT_PORT"]) if env.get("DMLC_PS_ROOT_PORT") else int(
+        probes[placements[0].host.address]["port"])
+    cwd = os.getcwd()
+    remote = [python, "-m", "bps_gossip.remote"]
+    with Supervisor() as sup:
+        sup.note(f"{sum(p.workers for p in placements)} workers on {len(placements)} host(s) "
+                 f"({', '.join(f'{p.host.address}:{p.workers}' for p in placements)}); scheduler at "
+                 f"{placements[0].host.address}:{root_port}")
+        for process in plan(placements, num_servers, root_port, common):
+            argv = command if process.role == "worker" else [python, "-m", f"bps_gossip.{process.role}"]
+            spec = json.dumps({"argv": argv, "cwd": cwd, "env": process.env, "secret": secret})
+            sup.start(ssh.argv(process.host, remote), os.environ, process.role, process.label, process.prefix,
+                      stdin_data=spec.encode() + b"\n")
+        return sup.wait(fail_fast=True)
