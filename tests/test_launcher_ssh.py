@@ -7,6 +7,7 @@ installs openssh-server when it can). The parsing tests need none of that.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -219,3 +220,56 @@ def test_launcher_refuses_mixed_options(capsys):
     assert "elastic jobs" in capsys.readouterr().err
     assert launcher.main(["-x", "A", "-np", "1", "true"]) == 2
     assert "need -H or --hostfile" in capsys.readouterr().err
+
+
+def _remote(spec: bytes) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "bps_gossip.remote"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdin is not None
+    proc.stdin.write(spec)
+    proc.stdin.flush()
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_remote_end_stops_its_command_when_stdin_ends(tmp_path):
+    """What ssh does when bpslaunch goes away: stdin ends. The command and its own child go."""
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "print(os.getpid(), child.pid, os.environ['BPS_GOSSIP_SECRET_FILE'], open(os.environ['BPS_GOSSIP_SECRET_FILE']).read().strip(), os.environ['MY_SETTING'], os.getcwd(), flush=True)\n"
+              "time.sleep(600)\n")
+    spec = {"argv": [sys.executable, "-c", script], "cwd": str(tmp_path), "env": {"MY_SETTING": "yes"}, "secret": "abc"}
+    proc = _remote((json.dumps(spec) + "\n").encode())
+    try:
+        assert proc.stdout is not None
+        pid, child, secret_file, secret, setting, cwd = proc.stdout.readline().decode().split()
+        assert (secret, setting, cwd) == ("abc", "yes", str(tmp_path))
+        assert os.stat(secret_file).st_mode & 0o777 == 0o600
+        assert proc.stdin is not None
+        proc.stdin.close()  # the connection ends
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+        for gone in (int(pid), int(child)):
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{gone}").exists() and Path(f"/proc/{gone}/stat").read_text().split()[2] != "Z":
+                assert time.monotonic() < deadline, f"pid {gone} outlived its job"
+                time.sleep(0.1)
+        assert not Path(secret_file).exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec, message", [
+    (b"\n", "no job description"), (b"[1]\n", "must be a JSON object"), (b'{"argv": [], "cwd": "/", "env": {}}\n', "argv"),
+    (b'{"argv": ["true"], "cwd": "/", "env": {"A": 1}}\n', "env must map"), (b"not json\n", "Expecting value"),
+    (b'{"argv": ["/no/such/program"], "cwd": "/", "env": {}}\n', "cannot start '/no/such/program'"),
+])
+def test_remote_end_refuses_bad_descriptions(spec, message):
+    proc = _remote(spec)
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.stdin = None  # communicate() would flush it
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode in (2, 127) and message in err.decode(), err
