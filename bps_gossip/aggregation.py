@@ -58,6 +58,7 @@ class Round:
         self.error: str | None = None
         self.lock = threading.Lock()
         self.created = time.monotonic()
+        self.stall_reported = False  # elastic: the missing ranks were reported to the scheduler
 
     @property
     def nbytes(self) -> int:

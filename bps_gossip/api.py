@@ -18,7 +18,7 @@ import numpy as np
 
 from .compression import CompressionSpec, PartitionState, compress_on_worker, rng_for
 from .config import Config, load_config
-from .errors import ConfigError, NotInitializedError
+from .errors import ConfigError, JobEndedError, NotInitializedError
 from .worker.engine import Engine, Operation
 from .worker.handle import Handle
 from .worker.tensors import bits_dtype, check_array, check_name, check_out, key_of, partitions
@@ -71,7 +71,10 @@ def init(config: Config | None = None) -> None:
             )
         if config.distributed:
             engine = Engine(config)
-            book = engine.start()
+            try:
+                book = engine.start()
+            except JobEndedError as exc:
+                exit_job_over(exc)
             _runtime = _Runtime(config, engine, book.rank, book.size, book.local_rank,
                                 book.local_size, book.generation)
         else:
@@ -346,7 +349,8 @@ def reset() -> bool:
     Blocks until every surviving (and joining) worker has done the same, then updates
     rank(), size() and generation(). Returns True when the job must roll back to its
     last commit (a worker or server crashed), the same answer on every rank. Raises
-    JobFailedError when the job cannot go on.
+    JobFailedError when the job cannot go on, and JobEndedError when it finished training
+    before this worker got its state.
     """
     runtime = _rt("reset()")
     if not runtime.config.elastic or runtime.engine is None:
@@ -357,6 +361,29 @@ def reset() -> bool:
     runtime.rank, runtime.size, runtime.generation = book.rank, book.size, book.generation
     runtime.local_rank, runtime.local_size = book.local_rank, book.local_size
     return book.restore
+
+
+def exit_job_over(exc: JobEndedError) -> None:
+    """A joiner the finished job no longer needs: say so and exit with status 0 (not a failure:
+    the job succeeded without it)."""
+    print(f"bps_gossip: {exc}; nothing left to do, exiting with status 0", file=sys.stderr, flush=True)
+    raise SystemExit(0) from None
+
+
+def training_finished() -> None:
+    """Elastic: this worker finished training (``elastic.run`` calls it when the training
+    function returns). From now on the job admits no more workers, tells joiners that have
+    no state yet that it is over, and no longer fails for being below BPS_GOSSIP_MIN_WORKERS."""
+    runtime = _rt("training_finished()")
+    if runtime.config.elastic and runtime.engine is not None:
+        runtime.engine.submit("finished", None)
+
+
+def holds_state() -> None:
+    """Elastic: this worker now holds the job's state (``elastic.run`` calls it after a sync)."""
+    runtime = _rt("holds_state()")
+    if runtime.engine is not None:
+        runtime.engine.has_state = True
 
 
 def commit_check() -> bool:

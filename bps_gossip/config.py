@@ -55,6 +55,8 @@ class Config:
     min_workers: int = 1
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
+    # Elastic: a worker others have waited on this long in one round is removed (0: never).
+    stall_timeout: float = 30.0
     start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
     trace_on: bool = False  # BytePS's BYTEPS_TRACE_*: write <trace_dir>/<local_rank>/comm.json
     trace_start: int = 10
@@ -225,6 +227,11 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     if port > 65535:
         raise ConfigError(f"BPS_GOSSIP_PORT={port} is not a TCP port (0-65535)")
     elastic = _bool(env, "BPS_GOSSIP_ELASTIC", False)
+    timeout = _float(env, "BPS_GOSSIP_TIMEOUT", 60.0)
+    stall_timeout = _float(env, "BPS_GOSSIP_STALL_TIMEOUT", timeout / 2, positive=False)
+    if stall_timeout < 0 or stall_timeout >= timeout:
+        raise ConfigError(f"BPS_GOSSIP_STALL_TIMEOUT={stall_timeout:g} must be >= 0 (0: off) and below "
+                          f"BPS_GOSSIP_TIMEOUT={timeout:g}: waiting workers fail at the timeout")
     min_workers = _int(env, "BPS_GOSSIP_MIN_WORKERS", 1, minimum=1)
     max_workers = _int(env, "BPS_GOSSIP_MAX_WORKERS", 0, minimum=0)
     if max_workers and max_workers < min_workers:
@@ -252,7 +259,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         log_level=log_level,
         force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
         min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
-        timeout=_float(env, "BPS_GOSSIP_TIMEOUT", 60.0),
+        timeout=timeout,
+        stall_timeout=stall_timeout,
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         port=port,

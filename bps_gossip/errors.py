@@ -56,5 +56,10 @@ class HostsUpdatedInterrupt(WorkersChangedError):
         super().__init__(message, restore=False)
 
 
+class JobEndedError(BpsGossipError):
+    """An elastic job finished training before this worker was admitted or got its state:
+    there is nothing left for it to do (init() and elastic.run turn it into exit status 0)."""
+
+
 class JobFailedError(PeerLostError):
     """An elastic job cannot go on (fewer workers than BPS_GOSSIP_MIN_WORKERS for too long)."""

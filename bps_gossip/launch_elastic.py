@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 from .config import Config, load_config
 from .errors import ConfigError
+from .liveness import start_ticks
 from .supervisor import Supervisor, _Child
 
 SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
@@ -132,6 +133,7 @@ class ElasticRun:
         self.pending: list[tuple[int, _Child, float]] = []  # (slot, failed child, when) to act on
         self.scheduler = next((c for c in sup.children if c.role == "scheduler"), None)
         self.first_error = 0
+        self.finished: str | None = None  # the first worker that exited 0: the job is ending
 
     def _slot_of(self, child: _Child) -> int | None:
         return next((slot for slot, c in self.current.items() if c is child), None)
@@ -169,6 +171,10 @@ class ElasticRun:
         slot = self._slot_of(child)
         if slot in self.given_up:
             return None  # stopped by us (never admitted) or given up on already
+        if code == 0 and self.finished is None:
+            # Training is done (as torchrun and the scheduler see it): failed workers are not
+            # restarted any more, joiners are told the job is over.
+            self.finished = child.label
         if code != 0 and slot is not None and self._job_ended():
             # Failed after the job ended (say, while saving a checkpoint): nothing to restart it into.
             self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)} after the job ended")
@@ -187,8 +193,8 @@ class ElasticRun:
         for item in due:
             self.pending.remove(item)
             slot, child, _ = item
-            if self._job_ended():  # the survivors finished it (the scheduler exits once every worker left)
-                self._note(f"{child.label} is not restarted: the job has ended")
+            if self._job_ended() or self.finished is not None:  # the survivors finished the training
+                self._note(f"{child.label} is not restarted: {self.finished or 'a worker'} finished training")
                 self.given_up.add(slot)
                 continue
             if self.reset_limit is not None and self.restarts >= self.reset_limit:
@@ -205,12 +211,14 @@ class ElasticRun:
         return None
 
     def _stop_unadmitted(self) -> None:
-        """The scheduler ended the job. A replacement still running may never have been admitted:
-        the scheduler tells such workers the job ended (they exit at once, with an error), so the
-        exit status of replacements from here on does not count. First workers count as usual."""
+        """The scheduler ended the job. A replacement still running was not needed: it was never
+        admitted, or it is still starting and would find no scheduler; it is stopped, and its exit
+        status does not count. First workers count as usual."""
         for slot, child in self.current.items():
             if child.proc.poll() is None and id(child) not in self.first_workers:
                 self.given_up.add(slot)
+                self._note(f"{child.label} is not needed: the job finished before it was admitted; stopping it")
+                self.sup.signal_group(child.proc.pid, signal.SIGTERM)
 
     def _job_ended(self) -> bool:
         return self.scheduler is not None and self.scheduler.code is not None
@@ -268,5 +276,10 @@ class ElasticRun:
 
 def restart_delay(config: Config) -> float:
     """How long after a crash its replacement starts: once the scheduler has declared the dead
-    worker lost, so that the replacement never counts twice against --max-np."""
-    return config.heartbeat_timeout + min(0.5, config.heartbeat_interval) + 0.2
+    worker lost, so that the replacement never counts twice against --max-np. The scheduler of a
+    local job sees a process on its host exit within one tick (bps_gossip.liveness); without
+    /proc it waits for the heartbeat timeout."""
+    tick = min(0.5, config.heartbeat_interval)
+    if start_ticks() is not None:
+        return 2 * tick + 0.2
+    return config.heartbeat_timeout + tick + 0.2

@@ -31,6 +31,7 @@ import zmq
 from . import fields
 from .config import Config, load_config
 from .errors import BpsGossipError, ConfigError, ProtocolError
+from .liveness import LocalProcess
 from .logs import get_logger
 from .membership import Membership, Node
 from .transport import send_message, shm
@@ -71,6 +72,7 @@ class Scheduler:
         self.barriers: dict[int, set[bytes]] = {}
         self.commits: dict[int, set[bytes]] = {}
         self.change: Change | None = None  # an elastic membership change waiting for rejoins
+        self.closing: str | None = None  # elastic: why the job admits nobody more (a worker finished)
         self.exit_code = 0
         self.running = True
         self.created = time.monotonic()
@@ -78,7 +80,9 @@ class Scheduler:
             "heartbeat": self._on_heartbeat, "leave": self._on_leave,
             "barrier": lambda uid, msg, _node: self._on_barrier(uid, msg),
             "commit": lambda uid, msg, _node: self._on_commit(uid, msg),
-            "rejoin": lambda uid, msg, _node: self._on_rejoin(uid, msg),
+            "rejoin": lambda uid, msg, node: self._on_rejoin(uid, msg, node),
+            "finished": lambda _uid, _msg, node: self._on_finished(node),
+            "stalled": lambda _uid, msg, node: self._on_stalled(msg, node),
         }
         self.handlers = {"register": lambda uid, msg, _frames: self._on_register(uid, msg),
                          **dict.fromkeys(self.member_handlers, self._from_member)}
@@ -120,12 +124,16 @@ class Scheduler:
                 raise ConfigError(f"cannot register role {node.role!r}")
             if node.local_rank >= node.local_size:
                 raise ConfigError(f"local_rank {node.local_rank} is not below local_size {node.local_size}")
+            node.local = LocalProcess.find(node.pid, fields.optional_integer(msg, "start_ticks", 0, fields.MAX_INT))
             self.members.add(node)
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             self.log.error("refused registration from %r: %s", uid, exc)
             self._send(uid, {"op": "refused", "why": str(exc)})
             return
         self.log.info("registered %s pid %s on %s", node.role, node.pid, node.host)
+        if node.state == "joining" and self.closing is not None:
+            self._job_over(node)
+            return
         if node.state == "joining":
             self._send(uid, {"op": "wait", "why": "the job is running; joining at its next commit"})
             if self.change is not None or not self.members.workers("alive"):
@@ -186,8 +194,10 @@ class Scheduler:
             if not self.members.servers("alive"):
                 self._fail_job(f"the last server ({node.describe()}) {how}: {reason}")
                 return
-        elif not self.members.workers("alive") and not self.members.workers("joining") and how == "left":
-            self._terminate("every worker has shut down")
+        elif not self.members.workers("alive") and not self.members.workers("joining") \
+                and (how == "left" or self.closing is not None):
+            self._terminate("every worker has shut down" if how == "left" else
+                            f"the last worker was lost after the job finished training ({self.closing})")
             return
         self._begin_change(restore=how == "lost", why=f"{node.describe()} {how}: {reason}")
 
@@ -210,11 +220,31 @@ class Scheduler:
                 self._send(member.uid, notice)
         self._maybe_finish_change()
 
-    def _on_rejoin(self, uid: bytes, msg: dict[str, Any]) -> None:
+    def _on_rejoin(self, uid: bytes, msg: dict[str, Any], node: Node) -> None:
         if self.change is None or int(msg.get("generation", -1)) != self.change.generation:
             return  # an old generation's rejoin: a newer 'changed' is on its way to it
-        self.change.ready.add(uid)
+        if self.closing is not None and msg.get("has_state") is False:
+            self._job_over(node)  # admitted, but the job finished before its state sync did
+        else:
+            self.change.ready.add(uid)
         self._maybe_finish_change()
+
+    # -- the end of an elastic job ------------------------------------------------
+    def _on_finished(self, node: Node) -> None:
+        """A worker finished training: the job succeeds from here on. Nobody more is admitted,
+        joiners without the job's state are told it is over (they exit 0), and the job no
+        longer fails for having fewer than BPS_GOSSIP_MIN_WORKERS (the rest are finishing)."""
+        if not self.config.elastic or self.closing is not None:
+            return
+        self.closing = f"{node.describe()} finished training"
+        self.log.info("%s: the job admits no more workers", self.closing)
+        for joiner in self.members.workers("joining"):
+            self._job_over(joiner)
+
+    def _job_over(self, node: Node) -> None:
+        self.members.mark(node.uid, "left")
+        self._send(node.uid, {"op": "job_over", "why": self.closing})
+        self.log.info("%s is not needed: %s", node.describe(), self.closing)
 
     def _maybe_finish_change(self) -> None:
         """Send the new book once every surviving worker rejoined and there are enough."""
@@ -224,7 +254,11 @@ class Scheduler:
             return
         alive = {w.uid for w in self.members.workers("alive")}
         count = len(alive) + len(self.members.workers("joining"))
-        if not alive <= self.change.ready or count < max(1, self.config.min_workers):
+        if not alive and self.closing is not None:
+            self._terminate(f"every worker has finished ({self.closing})")
+            return
+        needed = 1 if self.closing is not None else max(1, self.config.min_workers)
+        if not alive <= self.change.ready or count < needed:
             return
         change, self.change = self.change, None
         joined = self.members.reassign()
@@ -259,7 +293,7 @@ class Scheduler:
             # work (a last evaluation, a checkpoint) and will leave or rejoin; nothing is stuck.
             return
         count = len(self.members.workers("alive")) + len(self.members.workers("joining"))
-        if count < self.config.min_workers:
+        if count < self.config.min_workers and self.closing is None:
             self._fail_job(f"only {count} worker(s) for {now - self.change.since:.0f} s, fewer than "
                            f"BPS_GOSSIP_MIN_WORKERS={self.config.min_workers} "
                            f"(BPS_GOSSIP_ELASTIC_TIMEOUT={self.config.elastic_timeout:g}); last change: "
@@ -322,6 +356,28 @@ class Scheduler:
         else:
             self._on_gone(node, "left", "shut down")
 
+    def _on_stalled(self, msg: dict[str, Any], reporter: Node) -> None:
+        """Elastic: a server (or a worker waiting for gossip) saw ranks push nothing for
+        BPS_GOSSIP_STALL_TIMEOUT while others waited: stuck workers are removed like lost ones."""
+        generation = fields.integer(msg, "generation", 0, fields.MAX_INT)
+        if not self.config.elastic or self.change is not None or generation != self.members.generation:
+            return  # a change is under way already, or the report is of an old generation
+        ranks = set(fields.integers(msg, "ranks", 64, 0, 1 << 20))
+        why = fields.text(msg, "why", 512, "")
+        for worker in self.members.workers("alive"):
+            if worker.rank in ranks and worker is not reporter:
+                reason = f"stuck: {why} (BPS_GOSSIP_STALL_TIMEOUT={self.config.stall_timeout:g}, seen by {reporter.describe()})"
+                self.members.mark(worker.uid, "lost")
+                self._remove_for_good(worker, reason)
+                self._on_gone(worker, "lost", reason)
+
+    def _remove_for_good(self, node: Node, why: str) -> None:
+        """Elastic: a worker declared lost while its process lives (stopped, stuck) is killed when
+        it runs on this host, so that it cannot come back half-way into a job that went on."""
+        if self.config.elastic and node.role == "worker" and node.local is not None and node.local.alive():
+            self.log.warning("%s is alive but %s: stopping it (SIGKILL)", node.describe(), why)
+            node.local.kill()
+
     def _check_heartbeats(self) -> None:
         if not self.members.started:
             waited = time.monotonic() - self.created
@@ -330,8 +386,15 @@ class Scheduler:
             return
         now = time.monotonic()
         for node in list(self.members.nodes.values()):
-            if node.state in ("alive", "joining") and now - node.last_seen > self.config.heartbeat_timeout:
+            if node.state not in ("alive", "joining"):
+                continue
+            if node.local is not None and not node.local.alive():
+                # On this host the kernel tells at once; heartbeats would take a timeout.
                 self.members.mark(node.uid, "lost")
+                self._on_gone(node, "lost", "its process exited")
+            elif now - node.last_seen > self.config.heartbeat_timeout:
+                self.members.mark(node.uid, "lost")
+                self._remove_for_good(node, f"no heartbeat for {now - node.last_seen:.1f} s")
                 self._on_gone(node, "lost", f"no heartbeat for {now - node.last_seen:.1f} s")
         if self.config.elastic:
             self._check_elastic(now)

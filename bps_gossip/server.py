@@ -36,6 +36,7 @@ from .aggregation import Push, Round, RoundId, validate_push
 from .compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
+from .liveness import start_ticks
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
 from .transport.receive import DropLog, drain
@@ -107,7 +108,7 @@ class Server:
         """Register with the scheduler and wait for the address book."""
         send_message(self.sched, {
             "op": "register", "role": "server", "addr": self.addr, "host": self.config.node_host,
-            "pid": os.getpid(), "DMLC_NUM_WORKER": self.config.num_worker,
+            "pid": os.getpid(), "start_ticks": start_ticks(), "DMLC_NUM_WORKER": self.config.num_worker,
             "DMLC_NUM_SERVER": self.config.num_server,
         })
         # Workers may start much later than the servers (slow imports, a busy cluster): wait
@@ -383,12 +384,28 @@ class Server:
                 "why": f"server {self.addr}: no address book of generation {msg['gen']} within "
                        f"{self.config.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)"})
         for rnd in list(self.rounds.values()):
+            self._report_stall(rnd, now)
             if rnd.error is None and now - rnd.created > self.config.timeout:
                 missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
                 self._fail_round(rnd, "timeout",
                                  f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} did not push "
                                  f"within {self.config.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
                 self.rounds.pop(rnd.rid, None)
+
+    def _report_stall(self, rnd: Round, now: float) -> None:
+        """Elastic: ranks that others have waited on for BPS_GOSSIP_STALL_TIMEOUT are reported
+        (once per round) to the scheduler, which removes them like lost workers. Only when they are
+        no more than those waiting: a majority missing means the pushers are early, not stuck."""
+        stall = self.config.stall_timeout
+        if not self.config.elastic or not stall or rnd.stall_reported or rnd.error is not None \
+                or now - rnd.created <= stall:
+            return
+        rnd.stall_reported = True
+        missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+        if missing and len(missing) <= len(rnd.pushes):
+            send_message(self.sched, {"op": "stalled", "ranks": missing, "generation": rnd.rid[0],
+                                      "why": f"pushed nothing of {rnd.name!r} for {now - rnd.created:.1f} s "
+                                             f"while ranks {sorted(rnd.pushes)} waited on server {self.addr}"})
 
     # -- loop ---------------------------------------------------------------------
     def run(self) -> None:

@@ -148,11 +148,15 @@ def test_join_adds_a_worker(job):
 
 STALL = """
 import os, signal, time, bps_gossip as bps
+marker = os.environ["MARKER"] + os.environ["BYTEPS_LOCAL_RANK"]
+if os.path.exists(marker):
+    time.sleep(1000)  # the slot's replacement never joins: the job stays below --min-np
+open(marker, "w").close()
 bps.init()
 print("READY", bps.rank(), os.getpid(), flush=True)
 time.sleep(1.0)
 if bps.rank() == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)  # stops heart-beating; bpslaunch sees no exit to act on
+    os.kill(os.getpid(), signal.SIGSTOP)  # stuck: no heartbeats; the scheduler removes it (and kills it)
 time.sleep(1000)
 """
 
@@ -160,13 +164,14 @@ time.sleep(1000)
 @pytest.mark.timeout(40)
 def test_below_min_np_fails_within_the_timeout(job):
     start = time.monotonic()
-    args = ["-np", "2", "--min-np", "2", "--reset-limit", "0", "--elastic-timeout", "3",
+    args = ["-np", "2", "--min-np", "2", "--reset-limit", "1", "--elastic-timeout", "3",
             sys.executable, job.script(STALL)]
-    code, out, err = job.finish(job.start(args), timeout=30)
+    code, out, err = job.finish(job.start(args, {"MARKER": str(job.tmp_path / "started")}), timeout=30)
     elapsed = time.monotonic() - start
     assert code == 1, out + err
     assert "the scheduler failed the job" in err, err
     assert "fewer than BPS_GOSSIP_MIN_WORKERS=2" in err and "BPS_GOSSIP_ELASTIC_TIMEOUT=3" in err, err
+    assert "is alive but no heartbeat" in err and "stopping it (SIGKILL)" in err, err
     assert elapsed < 20, elapsed  # heartbeat loss (2 s) + timeout (3 s) + stopping
     job.assert_nothing_left()
 

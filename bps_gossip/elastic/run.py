@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import api
-from ..errors import WorkersChangedError
+from ..errors import JobEndedError, WorkersChangedError
 from .state import State
 
 log = logging.getLogger("bps_gossip.elastic")
@@ -23,6 +23,10 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     the new generation; if anything crashed the state is rolled back to its last commit
     (the scheduler gives every rank the same answer), the reset callbacks run, and
     ``func`` is called again. Other errors propagate.
+
+    When ``func`` returns, the scheduler is told this worker finished training: the job
+    admits no more workers from then on. A worker that joined but has no state yet when the
+    job finishes exits with status 0 (the job succeeded without it).
     """
 
     @functools.wraps(func)
@@ -31,13 +35,19 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
             api.init()
         while True:
             try:
-                state.sync()
-                return func(state, *args, **kwargs)
-            except WorkersChangedError as exc:
-                log.info("rank %d: %s; resetting", api.rank(), exc)
-                if api.reset():
-                    state.restore()
-                log.info("generation %d: rank %d of %d", api.generation(), api.rank(), api.size())
-                state.on_reset()
+                try:
+                    state.sync()
+                    api.holds_state()
+                    result = func(state, *args, **kwargs)
+                    api.training_finished()
+                    return result
+                except WorkersChangedError as exc:
+                    log.info("rank %d: %s; resetting", api.rank(), exc)
+                    if api.reset():
+                        state.restore()
+                    log.info("generation %d: rank %d of %d", api.generation(), api.rank(), api.size())
+                    state.on_reset()
+            except JobEndedError as exc:
+                api.exit_job_over(exc)
 
     return wrapper

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import api
-from ..errors import HostsUpdatedInterrupt
+from ..errors import HostsUpdatedInterrupt, WorkersChangedError
 from . import codec
 
 
@@ -34,7 +34,12 @@ class State:
 
     ``commit()`` saves and then asks whether workers wait to join (a barrier on every
     rank, so all ranks decide alike); if so it raises HostsUpdatedInterrupt, which
-    :func:`run` handles by resetting without rollback.
+    :func:`run` handles by resetting without rollback. The save becomes the commit point
+    only once every rank has passed that barrier: when the job changes during it, the
+    previous commit point stays (otherwise a rank that ran ahead, as ranks do in gossip
+    mode, would keep a point the others never reached, and their steps since the last
+    common commit would count as done). Subclasses keep what ``save()`` copies in
+    attributes named ``_saved...``, each assigned anew by every save.
     """
 
     def __init__(self) -> None:
@@ -62,9 +67,17 @@ class State:
         raise NotImplementedError
 
     def commit(self) -> None:
-        """Save, then raise HostsUpdatedInterrupt if workers are waiting to join."""
+        """Save, then raise HostsUpdatedInterrupt if workers are waiting to join; if the job
+        changes before every rank got here, the previous commit point stays."""
+        previous = {key: value for key, value in vars(self).items() if key.startswith("_saved")}
         self.save()
-        self.check_host_updates()
+        try:
+            self.check_host_updates()
+        except HostsUpdatedInterrupt:
+            raise  # every rank passed the barrier: this save is the commit point
+        except WorkersChangedError:
+            vars(self).update(previous)
+            raise
 
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt when workers wait to join (same answer on every rank)."""

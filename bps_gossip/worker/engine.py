@@ -86,7 +86,7 @@ class Operation:
 
 
 SCHEDULER_OPS = ("hb_ack", "refused", "wait", "book", "barrier_done", "barrier_failed", "node_lost", "node_left",
-                 "changed", "commit_done", "job_failed", "bye", "terminate")  # what the scheduler sends a worker
+                 "changed", "commit_done", "job_failed", "job_over", "bye", "terminate")  # what the scheduler sends a worker
 SERVER_OPS = ("ack", "result", "error", "stats")  # what a server answers
 
 
@@ -135,6 +135,9 @@ class Engine(GenerationHandling):
         self._sockets_changed = False
         self._stale_grace = 0.0  # graceful change: when pending work of the old generation fails
         self._crashed = False  # told to the scheduler when leaving: a crash rolls an elastic job back
+        # Elastic: this worker holds the job's state (it started with the job, or synced it after
+        # joining). Told to the scheduler on rejoin: a job that finished drops those that do not.
+        self.has_state = False
         self._lost_servers: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index -> when it last sent anything
         self.channel: PeerChannel | None = None
@@ -325,6 +328,10 @@ class Engine(GenerationHandling):
             if kind == "stop":
                 self._leave(payload)
                 return
+            if kind == "finished":
+                if self._broken is None:
+                    send_message(self.sched, {"op": "finished"})
+                continue
             if self._broken is not None:
                 self._fail_item(kind, payload, self._broken)
                 continue
@@ -332,7 +339,8 @@ class Engine(GenerationHandling):
                 self._rejoin = payload
                 if self._stale is not None:
                     self._fail_pending(self._stale)
-                    send_message(self.sched, {"op": "rejoin", "generation": self._target_gen})
+                    send_message(self.sched, {"op": "rejoin", "generation": self._target_gen,
+                                              "has_state": self.has_state})
                 continue  # else the 'changed' notice is on its way (a server told us first)
             if self._stale is not None:
                 if kind not in ("peer_send", "peer_ack"):
@@ -535,6 +543,10 @@ class Engine(GenerationHandling):
         if self._stale is not None and self._stale_grace and now > self._stale_grace:
             self._fail_pending(self._stale)  # what the old generation could still finish has arrived
         self.channel.check_deadlines(now)
+        if self.config.elastic and self.config.stall_timeout and self._stale is None:
+            for ranks, why in self.channel.overdue(now, self.config.stall_timeout):
+                send_message(self.sched, {"op": "stalled", "ranks": ranks, "generation": self.book.generation,
+                                          "why": why})
         for op in list(self._pending):
             if now > op.deadline:
                 servers = sorted({self._server_of(op, r) for r in op.reqs} - {-1})

@@ -21,12 +21,14 @@ from .. import fields
 from ..errors import (
     CommTimeoutError,
     ConfigError,
+    JobEndedError,
     JobFailedError,
     NotInitializedError,
     PeerLostError,
     ProtocolError,
     WorkersChangedError,
 )
+from ..liveness import start_ticks
 from ..transport import MAX_HEADER_BYTES, bind_random_port, recv_message, send_message
 from ..transport.security import HandshakeWatch, make_socket
 from .handle import Handle
@@ -72,7 +74,7 @@ class GenerationHandling:
         self.peer.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + MAX_HEADER_BYTES)
         peer_addr = bind_random_port(self.peer, cfg.node_host)
         send_message(self.sched, {
-            "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(),
+            "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(), "start_ticks": start_ticks(),
             "worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "local_size": cfg.local_size,
             "peer_addr": peer_addr, "DMLC_NUM_WORKER": cfg.num_worker, "DMLC_NUM_SERVER": cfg.num_server,
         })
@@ -102,12 +104,15 @@ class GenerationHandling:
                 raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
             if msg["op"] == "job_failed":
                 raise JobFailedError(f"the job failed: {msg.get('why')}")
+            if msg["op"] == "job_over":
+                raise JobEndedError(f"the job finished before this worker was admitted ({msg.get('why')})")
             if msg["op"] == "wait" and not waited:
                 waited = True
                 deadline = time.monotonic() + cfg.elastic_timeout + cfg.timeout
                 self.log.info("waiting to join the running job: %s", msg.get("why"))
             if msg["op"] == "book":
                 break
+        self.has_state = not waited  # a joiner gets the job's state from rank 0 later
         self._apply_book(msg)
 
     def _apply_book(self, msg: dict[str, Any]) -> None:
@@ -211,8 +216,11 @@ class GenerationHandling:
             handle = self._commits.pop(int(msg["seq"]), None)
             if handle is not None:
                 handle.set_result(bool(msg["changed"]))
-        elif op == "job_failed":
-            self._fail_everything(JobFailedError(f"the elastic job failed: {msg.get('why')} [on rank {self.book.rank}]"))
+        elif op in ("job_failed", "job_over"):
+            error = JobFailedError(f"the elastic job failed: {msg.get('why')} [on rank {self.book.rank}]") \
+                if op == "job_failed" else JobEndedError(f"the job finished before this worker got its state "
+                                                         f"({msg.get('why')})")
+            self._fail_everything(error)
             if self._rejoin is not None:
                 self._rejoin.set_error(self._broken)
                 self._rejoin = None
@@ -247,7 +255,7 @@ class GenerationHandling:
             self._fail_control(self._stale)
             self._stale_grace = time.monotonic() + CHANGE_GRACE
         if self._rejoin is not None:
-            send_message(self.sched, {"op": "rejoin", "generation": generation})
+            send_message(self.sched, {"op": "rejoin", "generation": generation, "has_state": self.has_state})
 
     def _leave(self, handle: Handle) -> None:
         self._await_peer_reads()

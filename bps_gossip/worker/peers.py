@@ -51,6 +51,7 @@ class PeerWait:
     sources: frozenset[int]
     handle: Handle
     deadline: float
+    stall_reported: bool = False
 
 
 class PeerChannel:
@@ -252,6 +253,20 @@ class PeerChannel:
                 self._fail(wait, CommTimeoutError(
                     f"gossip {wait.tag!r} round {wait.rnd} on rank {self.rank}: ranks {missing} sent nothing "
                     f"within {self.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)"))
+
+    def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
+        """Waits this rank has spent ``after`` seconds in: (the ranks it still waits for, what for),
+        each wait once (elastic: reported to the scheduler as stuck)."""
+        found = []
+        for wait in self.waits:
+            waited = now - (wait.deadline - self.timeout)
+            if not wait.stall_reported and waited > after:
+                wait.stall_reported = True
+                missing = sorted(r for r in wait.sources if not self._has(wait, r))
+                if missing:
+                    found.append((missing, f"sent no gossip {wait.tag!r} round {wait.rnd} for {waited:.1f} s "
+                                           f"while rank {self.rank} waited"))
+        return found
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every pending wait (shutdown, scheduler lost)."""

@@ -1,0 +1,65 @@
+"""Is a registered process still alive? Asked of the kernel, for processes on this host.
+
+Heartbeats need BPS_GOSSIP_HEARTBEAT_TIMEOUT (10 s by default) to tell a dead process from a
+slow one. On the scheduler's own host the kernel knows at once: the pid is gone, or a zombie
+waiting for its parent. A pid alone is not an identity (pids are reused, and a process in
+another pid namespace, a container, may show the same address and pid), so a process counts as
+this host's only if it reported its own start time (``start_ticks``, /proc/self/stat) and the
+process under its pid here started at that very tick.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def start_ticks(pid: int | str = "self") -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None
+    where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: count from after it.
+    fields = stat.rpartition(b")")[2].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class LocalProcess:
+    """A process that is provably on this host (see the module docstring)."""
+
+    def __init__(self, pid: int, ticks: int) -> None:
+        self.pid = pid
+        self.ticks = ticks
+
+    @classmethod
+    def find(cls, pid: int, ticks: int | None) -> LocalProcess | None:
+        """The process ``pid`` if it is here and started at ``ticks``, else None."""
+        if ticks is None or pid <= 0 or start_ticks(pid) != ticks:
+            return None
+        return cls(pid, ticks)
+
+    def alive(self) -> bool:
+        """False once the process has exited (gone, a zombie, or its pid taken by another)."""
+        return start_ticks(self.pid) == self.ticks and _state(self.pid) not in (b"Z", b"X", None)
+
+    def kill(self) -> None:
+        """SIGKILL it, if it is still the same process (a stopped or stuck one too)."""
+        if start_ticks(self.pid) == self.ticks:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
