@@ -5,7 +5,9 @@ GluonState with an ElasticSampler, on made data (no download).
 Environment: MODE (allreduce or gossip), EPOCHS, SAMPLES, BATCH, COMMIT_EVERY, STEP_SLEEP
 (seconds per step), KILL_RANK/KILL_STEP (SIGKILL itself before that step, in generation 1),
 STOP_RANK/STOP_STEP (SIGSTOP itself there: a stuck worker), STALL_RANK/STALL_STEP (sleep for
-STALL_SECONDS there while its heartbeats go on: stuck but alive).
+STALL_SECONDS there while its heartbeats go on: stuck but alive), LAST_STEPS_SLEEP (seconds per
+step of the last three; rank 0 prints LAST STEPS as they begin), AFTER_TRAINING_SLEEP (seconds
+between the end of training and the end of the program; rank 0 prints TRAINED).
 Prints RESULT lines: ["commit", [[epoch, index], ...]] for the real samples a commit makes
 permanent, ["restored", step_before, step_after], ["final", fingerprint, step, epoch, rank, size].
 """
@@ -34,6 +36,8 @@ STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 ACTS = {kind: (int(os.environ.get(f"{kind}_RANK", "-1")), int(os.environ.get(f"{kind}_STEP", "-1")))
         for kind in ("KILL", "STOP", "STALL")}
 STALL_SECONDS = float(os.environ.get("STALL_SECONDS", "30"))
+LAST_STEPS_SLEEP = float(os.environ.get("LAST_STEPS_SLEEP", "0"))  # seconds per step of the last 3
+AFTER_TRAINING_SLEEP = float(os.environ.get("AFTER_TRAINING_SLEEP", "0"))  # an evaluation, say
 
 pending: list[list[int]] = []  # [epoch, index] this rank trained on since the last commit
 
@@ -122,6 +126,10 @@ def main() -> None:
                 state.step += 1
                 if STEP_SLEEP:
                     time.sleep(STEP_SLEEP)
+                if LAST_STEPS_SLEEP and state.epoch == EPOCHS - 1 and batch_index >= len(loader) - 3:
+                    if batch_index == len(loader) - 3 and bps.rank() == 0:
+                        print("LAST STEPS", flush=True)
+                    time.sleep(LAST_STEPS_SLEEP)
                 if state.step % COMMIT_EVERY == 0:
                     state.commit()
             state.epoch += 1
@@ -129,6 +137,10 @@ def main() -> None:
             state.commit()
 
     train(state)
+    if AFTER_TRAINING_SLEEP:
+        if bps.rank() == 0:
+            print("TRAINED", flush=True)
+        time.sleep(AFTER_TRAINING_SLEEP)
     if MODE == "gossip":
         trainer.average_parameters()
     report(["final", fingerprint(net), state.step, state.epoch, bps.rank(), bps.size()])
