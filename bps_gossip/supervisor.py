@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import IO
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
@@ -27,6 +27,35 @@ _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Local mode owns these: every process runs on this machine, in one job.
 _SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
+
+
+def start_in_session(argv: list[str], env: Mapping[str, str], **popen: object) -> subprocess.Popen:
+    """Start ``argv`` as the leader of a new session (its own process group), so that
+    :func:`kill_groups` stops it and everything it started. ``popen``: Popen's stream arguments."""
+    return subprocess.Popen(argv, env=dict(env), start_new_session=True, **popen)  # type: ignore[call-overload]
+
+
+def kill_groups(procs: Iterable[subprocess.Popen], grace: float = 0.0, reap: float = 5.0) -> None:
+    """Give ``procs`` up to ``grace`` seconds to exit, then SIGKILL the process group of each one
+    still running (the group of one that exited too: what it started may live on), and wait up
+    to ``reap`` seconds for each. The one way tests, benchmarks and bpslaunch stop what they started."""
+    chosen = list(procs)
+    deadline = time.monotonic() + grace
+    for proc in chosen:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in chosen:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in chosen:
+        try:
+            proc.wait(reap)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def exit_code(returncode: int) -> int:
@@ -86,8 +115,7 @@ class Supervisor:
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         if stdin_data is not None:
             stdin = subprocess.PIPE
-        proc = subprocess.Popen(argv, env=dict(env), stdin=stdin, stdout=pipe, stderr=pipe,
-                                start_new_session=True)
+        proc = start_in_session(argv, env, stdin=stdin, stdout=pipe, stderr=pipe)
         if stdin_data is not None:
             assert proc.stdin is not None
             try:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bps_gossip.supervisor import kill_groups, start_in_session
+
 REPLY_PREFIX = "@@BENCH "  # marks protocol lines: MXNet and ps-lite may print to stdout too
 STARTUP_TIMEOUT = 180.0  # seconds for a cluster to come up (import mxnet x N on 2 cores)
 
@@ -140,8 +142,8 @@ class Job:
         """Start ``argv``; stderr (and stdout unless ``pipes``) go to files in logdir."""
         err = open(self.logdir / f"{name}.err", "w")
         out: Any = subprocess.PIPE if pipes else open(self.logdir / f"{name}.out", "w")
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True)
+        proc = start_in_session(argv, env, stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                                stdout=out, stderr=err)
         proc.bench_name = name  # type: ignore[attr-defined]
         proc.bench_err = self.logdir / f"{name}.err"  # type: ignore[attr-defined]
         err.close()  # the child holds its own copy
@@ -153,22 +155,8 @@ class Job:
     def close(self, procs: Iterable[subprocess.Popen] | None = None, grace: float = 15.0) -> None:
         """Wait up to ``grace`` seconds for ``procs`` (default: all) to exit, then killpg the rest."""
         chosen = list(self.procs if procs is None else procs)
-        deadline = time.monotonic() + grace
+        kill_groups(chosen, grace)
         for proc in chosen:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in chosen:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
             for stream in (proc.stdin, proc.stdout):
                 if stream is not None:
                     try:

@@ -22,13 +22,14 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from bps_gossip.supervisor import kill_groups, start_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "gluon_elastic_job.py"
@@ -90,7 +91,7 @@ def check(trial: Trial) -> None:
     if seen != wanted:
         missing, repeated = wanted - seen, seen - wanted
         trial.problems.append(f"samples committed wrongly: {sum(missing.values())} missing, "
-                              f"{sum(repeated.values())} repeated (e.g. {list((missing or repeated))[:4]})")
+                              f"{sum(repeated.values())} repeated (e.g. {list(missing or repeated)[:4]})")
     for noise in ("resource_tracker", "Traceback"):
         if noise in trial.output:
             trial.problems.append(f"{noise!r} in the output")
@@ -108,21 +109,13 @@ def run_trial(trial: Trial, timeout: float = 240, env: Mapping[str, str] | None 
             python, str(JOB)]
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        proc = start_in_session(argv, child_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             trial.code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             trial.problems.append(f"bpslaunch did not end within {timeout:g} s")
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            else:  # what a child left in bpslaunch's group (there should be nothing)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_groups([proc])  # and what a child left in bpslaunch's group (there should be nothing)
         out.seek(0)
         trial.output = out.read()
     trial.seconds = time.monotonic() - started

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from bps_gossip.supervisor import kill_groups, start_in_session
 
 WORKER = '''
 import json, math, os, random, sys, time
@@ -132,8 +133,7 @@ def main() -> int:
 
     def spawn(label: str, argv: list[str], extra: dict[str, str]) -> None:
         out = open(logdir / f"{label}.log", "w")
-        procs[label] = subprocess.Popen(argv, env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        procs[label] = start_in_session(argv, {**env, **extra}, stdout=out, stderr=subprocess.STDOUT)
 
     seconds = args.minutes * 60
     spawn("scheduler", [sys.executable, "-m", "bps_gossip.scheduler"], {"DMLC_ROLE": "scheduler"})
@@ -163,9 +163,7 @@ def main() -> int:
         for label in labels:
             procs[label].wait(60)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups(procs.values())
     codes = {label: proc.returncode for label, proc in procs.items()}
     results = []
     for index in range(3):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bps_gossip.supervisor import kill_groups, start_in_session
 from bps_gossip.transport import shm
 
 FAST_ENV = {
@@ -96,7 +96,7 @@ class Cluster:
         """Start a process in its own session, output captured to files in tmp_path."""
         out = open(self.tmp_path / f"{name}.out", "w+")
         err = open(self.tmp_path / f"{name}.err", "w+")
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
+        proc = start_in_session(argv, env, stdout=out, stderr=err)
         proc.out_file, proc.err_file = out, err  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -159,17 +159,7 @@ class Cluster:
 
     def kill_all(self) -> None:
         """Kill every process this cluster started (and their children)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.procs)
 
     def close(self) -> None:
         """Kill what is left, remove the job's shared memory, and close the output files."""

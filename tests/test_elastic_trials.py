@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import elastic_trials  # noqa: E402
+
+from bps_gossip.supervisor import kill_groups  # noqa: E402
 
 # (mode, fault, rank, step): early, mid-epoch, the epoch's last commit, the job's last steps.
 TRIALS = [
@@ -76,7 +77,4 @@ def test_joiner_arriving_as_the_job_ends_exits_zero(when):
         told = "the job finished before this worker" in joiner.stderr
         assert told or (when == "LAST STEPS" and "RESULT [\"final\"" in joiner.stdout), joiner.stdout + joiner.stderr
     finally:
-        for proc in (main,):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_groups([main])

@@ -22,6 +22,7 @@ import pytest
 from cluster import FAST_ENV, free_port
 
 from bps_gossip import launcher, supervisor
+from bps_gossip.supervisor import kill_groups
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launcher"]
 
@@ -99,13 +100,8 @@ class Job:
         assert not left, f"processes left behind: {[_cmdline(pid) for pid in left]}"
 
     def close(self) -> None:
+        kill_groups(self.procs)
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait(5)
             for handle in proc.files:  # type: ignore[attr-defined]
                 handle.close()
         for pid in tagged_pids(self.tag):  # whatever escaped the launcher's process groups
