@@ -116,7 +116,7 @@ def run_local(num_proc: int, num_servers: int, command: list[str],
             return ElasticRun(sup, first, command, lambda slot: workers[slot], elastic.reset_limit,
                               restart_delay(config)).run()
     finally:
-        shm.sweep(str(port))  # segments of killed workers (their resource trackers died too)
+        shm.sweep(str(port))  # segments of workers that were killed (they could not unlink)
         if secret_file is not None:
             os.unlink(secret_file)
 

@@ -73,6 +73,7 @@ class Scheduler:
         self.commits: dict[int, set[bytes]] = {}
         self.change: Change | None = None  # an elastic membership change waiting for rejoins
         self.closing: str | None = None  # elastic: why the job admits nobody more (a worker finished)
+        self.worker_lost: str | None = None  # not elastic: the loss that broke the job
         self.exit_code = 0
         self.running = True
         self.created = time.monotonic()
@@ -150,7 +151,10 @@ class Scheduler:
     def _on_barrier(self, uid: bytes, msg: dict[str, Any]) -> None:
         if self.change is not None:
             return  # sent in the old generation: the worker fails it itself on 'changed'
-        seq = int(msg.get("seq", 0))
+        seq = fields.integer(msg, "seq", 0, fields.MAX_INT, 0)
+        if self.worker_lost is not None:  # a job without its lost worker cannot meet again
+            self._send(uid, {"op": "barrier_failed", "seq": seq, "why": self.worker_lost})
+            return
         waiting = self.barriers.setdefault(seq, set())
         waiting.add(uid)
         alive = {w.uid for w in self.members.workers("alive")}
@@ -170,6 +174,8 @@ class Scheduler:
         notice = {"op": f"node_{how}", "role": node.role, "rank": node.rank, "pid": node.pid,
                   "host": node.host, "why": reason}
         self._tell_everyone(notice, skip=node.uid)
+        if node.role == "worker" and how == "lost":
+            self.worker_lost = f"{node.describe()} {how}: {reason}"
         if node.role == "worker":
             for seq, waiting in list(self.barriers.items()):
                 for member in waiting:
@@ -273,7 +279,7 @@ class Scheduler:
         """A commit check: a barrier whose answer (join or not) is the same for every worker."""
         if self.change is not None:
             return  # the worker is told 'changed' and fails the check itself
-        seq = int(msg.get("seq", 0))
+        seq = fields.integer(msg, "seq", 0, fields.MAX_INT, 0)
         waiting = self.commits.setdefault(seq, set())
         waiting.add(uid)
         if {w.uid for w in self.members.workers("alive")} <= waiting:

@@ -5,15 +5,20 @@ round to round); a server attaches to them by name. Only small control messages 
 over ZeroMQ: the server reads every worker's region, sums in place and writes the sum
 back into each region, so a push_pull costs each worker one copy in and one copy out.
 
-Cleanup on every exit path: the owner unlinks at shutdown; Python's resource tracker
-(a separate process) unlinks the owner's segments if the owner is killed; processes
-that only attach unregister from their tracker so that they never unlink what they do
-not own (NOTES: Python 3.11 otherwise unlinks on exit). Names carry the job's prefix
-and the owner's pid, so a launcher can also sweep what a dead job left behind.
+Cleanup on every exit path, without Python's resource tracker: the owner unlinks at
+shutdown (and at exit). Names carry the job's prefix and the owner's pid, so what a
+killed owner leaves is removed by whoever sees it die on this host: the scheduler (a
+lost local worker), bpslaunch (at the end of the job) and the next pool created on
+this host (segments whose owner is gone). No segment is registered with the resource
+tracker: the tracker would unlink a killed owner's segments too, but it reports each
+as "leaked shared_memory objects", which reads as a leak on every elastic restart, and
+an attaching process must not let its tracker unlink what it does not own (NOTES:
+Python 3.11 otherwise unlinks on exit).
 """
 
 from __future__ import annotations
 
+import _posixshmem
 import os
 import threading
 import uuid
@@ -31,6 +36,11 @@ def segment_name(job: str) -> str:
     return f"{PREFIX}_{job}_{os.getpid()}_{uuid.uuid4().hex[:10]}"
 
 
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Take a segment off this process's resource tracker (see the module docstring)."""
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+
+
 def owner_pid(name: str) -> int | None:
     """The owner's pid written into a segment name by :func:`segment_name`, or None."""
     parts = name.split("_")
@@ -44,6 +54,7 @@ class OwnedSegment:
 
     def __init__(self, job: str, size: int) -> None:
         self.shm = shared_memory.SharedMemory(name=segment_name(job), create=True, size=max(size, 1))
+        _untrack(self.shm)
         self.name = self.shm.name
         self.size = size
 
@@ -60,7 +71,8 @@ class OwnedSegment:
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
         try:
-            self.shm.unlink()
+            # Not SharedMemory.unlink(): it would tell the tracker about a name it never had.
+            _posixshmem.shm_unlink(self.shm._name)  # noqa: SLF001
         except FileNotFoundError:
             pass
         self.shm = None
@@ -73,9 +85,7 @@ class AttachedSegment:
         if not name.startswith(PREFIX + "_") or "/" in name:
             raise ValueError(f"not a bps_gossip segment name: {name!r}")
         self.shm = shared_memory.SharedMemory(name=name, create=False)
-        # Python registers attachments with the resource tracker too; undo that so that
-        # this process's exit never unlinks the owner's segment.
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+        _untrack(self.shm)  # this process's exit must never unlink the owner's segment
         owner = os.fstat(self.shm._fd).st_uid  # noqa: SLF001
         if owner != os.getuid():  # another user's segment that happens to be readable
             self.shm.close()
