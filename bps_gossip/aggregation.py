@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
 from . import fields
 from .compression import Codec
 
-RoundId = tuple[int, int, int, int]  # (generation, key, partition, round number)
+RoundId = Tuple[int, int, int, int]  # (generation, key, partition, round number)
 SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
 
 

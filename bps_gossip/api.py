@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .compat import zip_exact
 from .compression import CompressionSpec, PartitionState, compress_on_worker, rng_for
 from .config import Config, load_config
 from .errors import ConfigError, JobEndedError, NotInitializedError
@@ -199,7 +200,7 @@ def _submit_compressed(runtime: _Runtime, name: str, sig_kind: str, array: np.nd
 
     def decompress() -> None:
         began = now_us()
-        for (start, count), (codec, _), (at, nbytes) in zip(elements, codecs, parts, strict=True):
+        for (start, count), (codec, _), (at, nbytes) in zip_exact(elements, codecs, parts):
             result[start:start + count] = codec.decompress(merged[at:at + nbytes])
         if tracer is not None:
             tracer.event(name, "DECOMPRESS", "total", began, now_us())
@@ -438,7 +439,7 @@ class PeerLink:
         key = f"peer.{header.get('tag')}.{dst}"
         segment = self._engine.segments.acquire(key, total)
         views = []
-        for array, offset in zip(arrays, offsets, strict=True):
+        for array, offset in zip_exact(arrays, offsets):
             view = segment.view(array.dtype, array.size, offset)
             np.multiply(array.reshape(-1), array.dtype.type(scale), out=view)
             views.append(view)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO
 
+from .compat import zip_exact
+
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
 _POLL_SECONDS = 0.05
@@ -153,7 +155,7 @@ class Supervisor:
                 if not pending and segments and segments[-1] == b"\r":  # maybe the first half of "\r\n"
                     pending = b"".join(segments[-2:])
                     del segments[-2:]
-                for text, end in zip(segments[0::2], segments[1::2], strict=True):
+                for text, end in zip_exact(segments[0::2], segments[1::2]):
                     if not text and end == b"\r":
                         continue  # a bar's leading carriage return: nothing to show yet
                     self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import os as _os
 
+try:  # normally already imported at start-up by its .pth (see setup.py); not with python -S
+    import bps_gossip_numpy_aliases as _numpy_aliases  # noqa: F401 - before mxnet, on numpy >= 1.24
+except ImportError:
+    pass
+
 import bps_gossip as _core
 from bps_gossip import generation, init, local_rank, local_size, rank, size
 

@@ -34,6 +34,7 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip.compat import zip_exact
 from bps_gossip.elastic import ElasticSampler as _CoreSampler
 from bps_gossip.elastic import ObjectState, broadcast_object, run
 
@@ -145,7 +146,7 @@ class GluonState(ObjectState):
 
     def restore(self) -> None:
         """Go back to the last commit."""
-        for param, value in zip(self.params, self._saved_params, strict=True):
+        for param, value in zip_exact(self.params, self._saved_params):
             for copy in param.list_data():
                 to_device(value, copy)
         self._load_optimizer_states(self._saved_optimizer, self._saved_counters)

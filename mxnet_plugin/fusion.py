@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from typing import List, Tuple
 
 import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip.compat import zip_exact
 
 from .layouts import make_default, raw_view
 from .overlap import _rounds
@@ -32,7 +34,7 @@ SMALL_BYTES = 256 * 1024  # gradients up to this size are fused
 BUCKET_BYTES = 4 * 1024 * 1024  # a bucket is cut once it holds this much
 LAYOUT_CHARS = 400  # longer layouts travel as a digest
 
-Bucket = list[tuple[int, mx.gluon.Parameter]]  # (priority index, parameter) in ready order
+Bucket = List[Tuple[int, mx.gluon.Parameter]]  # (priority index, parameter) in ready order
 
 _buffers: dict[str, np.ndarray] = {}  # bucket name -> its flat buffer, reused every step
 _buffers_lock = threading.Lock()
@@ -174,7 +176,7 @@ def push_pull_bucket_in_engine(bucket: Bucket, average: bool = False) -> None:
     except BaseException:
         _rounds.abandon(round_id)
         raise
-    for total, (_, param) in zip(grads, bucket, strict=True):
+    for total, (_, param) in zip_exact(grads, bucket):
         for grad in param.list_grad():
             if grad is not total:
                 total.copyto(grad)

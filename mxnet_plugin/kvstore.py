@@ -27,6 +27,7 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip.compat import zip_exact
 
 from .ops import broadcast_async, finish_push_pull, to_host
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
@@ -88,7 +89,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         if isinstance(key, (list, tuple)):
             if not isinstance(value, (list, tuple)) or len(value) != len(key):
                 raise ValueError(f"{self.type}: {len(key)} keys need as many values")
-            return [(k, _as_list(v)) for k, v in zip(key, value, strict=True)]
+            return [(k, _as_list(v)) for k, v in zip_exact(key, value)]
         return [(key, _as_list(value))]
 
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
@@ -189,7 +190,7 @@ def _teach_initialize_kvstore() -> None:
             return original(kvstore, param_arrays, arg_params, param_names, update_on_kvstore)
         names = [param_names[index] for index in range(len(param_arrays))]
         kvstore.broadcast(names, [arg_params[name] for name in names],
-                          out=[[arg_params[name], *copies] for name, copies in zip(names, param_arrays, strict=True)])
+                          out=[[arg_params[name], *copies] for name, copies in zip_exact(names, param_arrays)])
         return None
 
     initialize_kvstore._bps_gossip = True

@@ -7,6 +7,8 @@ from typing import Any
 
 import mxnet as mx
 
+from bps_gossip.compat import zip_exact
+
 from .ops import finish_push_pull, push_pull_async
 
 
@@ -45,7 +47,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         # names, not numbers, as indices: those keep the default priority.
         pending = [(push_pull_async(g, f"gradient_{i}", average=True,
                                     priority=-i if isinstance(i, numbers.Integral) else 0), g)
-                   for i, g in zip(indices, grads, strict=True)]
+                   for i, g in zip_exact(indices, grads)]
         for started, g in pending:
             finish_push_pull(started, [g])
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bps_gossip.compat import zip_exact
 from bps_gossip.supervisor import kill_groups, start_in_session
 
 REPLY_PREFIX = "@@BENCH "  # marks protocol lines: MXNet and ps-lite may print to stdout too
@@ -340,10 +341,10 @@ def serve(handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> in
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
     """A plain-text table, right-aligned columns."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
-    lines = ["  ".join(str(h).rjust(w) for h, w in zip(headers, widths, strict=True))]
+    widths = [max(len(str(cell)) for cell in column) for column in zip_exact(headers, *rows)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip_exact(headers, widths))]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip_exact(row, widths)) for row in rows]
     return "\n".join(lines)
 
 

@@ -51,6 +51,8 @@ from bench_common import (
     write_json,
 )
 
+from bps_gossip.compat import zip_exact
+
 ALL_SIZES = "4K,64K,1M,4M,16M,64M"
 ALL_CONFIGS = "2w1s,4w1s,2w2s"
 QUICK_SIZES = "4K,1M,16M"
@@ -157,7 +159,7 @@ class PushPullWorker:
             for array in self.arrays:
                 self.bps.byteps_push_pull(array, name=self.name, is_average=False)
         else:
-            for array, out in zip(self.arrays, self.outputs, strict=True):
+            for array, out in zip_exact(self.arrays, self.outputs):
                 self.kv.pushpull(self.name, array, out=out)
                 out.wait_to_read()  # MXNet is asynchronous: an op ends when its result is readable
         seconds = time.perf_counter() - start

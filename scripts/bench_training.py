@@ -50,6 +50,8 @@ from bench_common import (
     write_json,
 )
 
+from bps_gossip.compat import zip_exact
+
 REFERENCE = "mxnet dist_sync"
 CEILING = "no communication"  # every worker trains alone, all at once: what communication can approach
 NO_OVERLAP = {"BPS_GOSSIP_OVERLAP_BACKWARD": "0"}  # push_pull waited for and copied by the caller
@@ -213,7 +215,7 @@ def build_model(mx: Any, model: str) -> tuple[Any, tuple[int, ...]]:
     if model == "mlp":
         net = gluon.nn.HybridSequential()
         with net.name_scope():
-            for fan_in, fan_out in zip(LAYERS[:-2], LAYERS[1:-1], strict=True):
+            for fan_in, fan_out in zip_exact(LAYERS[:-2], LAYERS[1:-1]):
                 net.add(gluon.nn.Dense(fan_out, activation="relu", in_units=fan_in))
             net.add(gluon.nn.Dense(LAYERS[-1], in_units=LAYERS[-2]))
         return net, (LAYERS[0],)

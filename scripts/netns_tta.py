@@ -22,6 +22,8 @@ import netns
 from bench_common import format_table
 from netns_cluster import run_job
 
+from bps_gossip.compat import zip_exact
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
 
 
@@ -36,7 +38,7 @@ class Curve:
 
     def time_to(self, target: float) -> float | None:
         """Seconds until the first epoch whose accuracy reaches ``target``; None if never."""
-        for seconds, acc in zip(self.seconds, self.accuracy, strict=True):
+        for seconds, acc in zip_exact(self.seconds, self.accuracy):
             if acc >= target - 1e-9:
                 return seconds
         return None
@@ -103,7 +105,7 @@ def experiment(net: netns.Network, args: argparse.Namespace, logdir: Path) -> in
             print(f"netns_tta: {exc}", file=sys.stderr)
             return 1
         for curve in curves.values():
-            points = ", ".join(f"{s:.1f}s:{a:.3f}" for s, a in zip(curve.seconds, curve.accuracy, strict=True))
+            points = ", ".join(f"{s:.1f}s:{a:.3f}" for s, a in zip_exact(curve.seconds, curve.accuracy))
             print(f"netns_tta: {tag} {curve.mode} curve (s since start: mean accuracy): {points}", flush=True)
         rows += rows_for(tag, curves["allreduce"], curves["gossip"])
         records.append({mode: dataclasses.asdict(curve) for mode, curve in curves.items()})

@@ -28,6 +28,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from bps_gossip.compat import zip_exact
 from bps_gossip.supervisor import kill_groups, start_in_session
 
 WORKER = '''
@@ -175,7 +176,7 @@ def main() -> int:
     warm = samples[min(1, len(samples) - 1)]
     last = samples[-1]
     print("growth from the sample at minute", f"{args.interval * min(1, len(samples) - 1) / 60:.1f}", "to the last:")
-    for label, first, end in zip(labels, warm, last, strict=True):
+    for label, first, end in zip_exact(labels, warm, last):
         if first is not None and end is not None:
             print(f"  {label:>9}: {first:7.1f} -> {end:7.1f} MiB ({end - first:+.1f})")
     return 0 if all(code == 0 for code in codes.values()) and len(results) == 3 else 1

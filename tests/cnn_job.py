@@ -21,6 +21,7 @@ from mxnet.gluon import nn
 from mxnet.gluon.model_zoo import vision
 
 import mxnet_plugin as bps
+from bps_gossip.compat import zip_exact
 from mxnet_plugin import elastic
 
 NETWORK, HYBRIDIZE = sys.argv[1], sys.argv[2] == "1"
@@ -102,7 +103,7 @@ def train(net, trainer, batch_size, steps=STEPS):
 
 def compare(got, want):
     """What differs between two lists of arrays beyond float tolerance ('' if nothing)."""
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip_exact(got, want):
         a = a.asnumpy() if isinstance(a, mx.nd.NDArray) else a
         b = b.asnumpy() if isinstance(b, mx.nd.NDArray) else b
         if not np.allclose(a, b, rtol=2e-4, atol=2e-5):
@@ -120,8 +121,8 @@ def reference(seed):
         for r in range(size):
             backward(net, step, r)
             grads = [p.grad().copy() for p in learned]
-            total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
-        for p, t in zip(learned, total, strict=True):
+            total = grads if total is None else [t + g for t, g in zip_exact(total, grads)]
+        for p, t in zip_exact(learned, total):
             p.grad()[:] = t
         trainer.step(B * size)
         evaluate(net)
@@ -164,7 +165,7 @@ def phase_gossip():
     # overlap: a round arrives a step late, so two ranks are not exactly averaged by each round
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, overlap=True)
     train(net, trainer, B)
-    moved = any(not np.array_equal(a.asnumpy(), b) for a, b in zip(statistics(net), stats_before, strict=True))
+    moved = any(not np.array_equal(a.asnumpy(), b) for a, b in zip_exact(statistics(net), stats_before))
     # Learning rate 0 and one batch for all: the weights stay, the running statistics of every
     # rank move toward the same values, and mixing must draw the ranks together.
     trainer.set_learning_rate(0.0)

@@ -10,6 +10,8 @@ Prints RESULT lines: ["commit", [[epoch, index], ...]] for every committed batch
 ["restored", step_before, step_after], ["reset", generation, rank, size], ["final", ...].
 """
 
+from __future__ import annotations
+
 import json
 import os
 import sys

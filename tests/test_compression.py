@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from cluster import assert_all_ok
 
+from bps_gossip.compat import zip_exact
 from bps_gossip.compression import (
     CompressionSpec,
     PartitionState,
@@ -214,8 +215,8 @@ def test_compressed_push_pull_equals_the_reference(cluster):
     first, second = (f.result for f in done)
     assert json.dumps(first) == json.dumps(second)  # every rank gets the same bytes
     assert first["small"] == [1.0] * 10  # below BYTEPS_MIN_COMPRESS_BYTES: exact
-    for params, rounds in zip(specs, first["rounds"], strict=True):
-        for step, (got, expected) in enumerate(zip(rounds, reference_run(params, 2), strict=True)):
+    for params, rounds in zip_exact(specs, first["rounds"]):
+        for step, (got, expected) in enumerate(zip_exact(rounds, reference_run(params, 2))):
             np.testing.assert_allclose(np.array(got, np.float32), expected, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{params} step {step}")
 

@@ -105,7 +105,7 @@ def test_geometric_convergence_other_sizes(cluster, workers):
         # geometric: the worst distance of each window of 6 rounds (a multiple of every period
         # here) is at most half that of the window before
         windows = [max(d[t:t + 6]) for t in range(0, 18, 6)]
-        assert all(later < 0.5 * earlier for earlier, later in zip(windows, windows[1:], strict=False)), d
+        assert all(later < 0.5 * earlier for earlier, later in zip(windows, windows[1:])), d
 
 
 @pytest.mark.timeout(120)

@@ -12,6 +12,8 @@ import pytest
 from cluster import assert_all_ok
 from test_mxnet_ops import HELPERS
 
+from bps_gossip.compat import zip_exact
+
 # Per-step data of every rank, the same arrays on every rank: X[step, rank] is that
 # rank's batch, X[step].reshape(-1, F) the concatenated batch of the reference run.
 DATA = """
@@ -50,7 +52,7 @@ def reference(initial):
     net = build()
     net.initialize()
     net(mx.nd.array(X[0, 0]))
-    for param, value in zip(net.collect_params().values(), initial, strict=True):
+    for param, value in zip_exact(net.collect_params().values(), initial):
         param.set_data(mx.nd.array(value))
     trainer = gluon.Trainer(net.collect_params(), "sgd", OPTIMIZER, kvstore=None)
     train(net, trainer, X.reshape(STEPS, size * B, F), Y.reshape(STEPS, size * B), size * B)
@@ -78,7 +80,7 @@ def assert_same_training(results: list[dict], key: str = "final") -> None:
     assert len({r[key + "_digest"] for r in results}) == 1, f"ranks differ after training ({key})"
     reference = [np.array(w) for w in results[0]["reference"]]
     for r in results:
-        for got, want in zip(r[key], reference, strict=True):
+        for got, want in zip_exact(r[key], reference):
             np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-6)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import api
+from ..compat import zip_exact
 from ..compression import CompressionSpec, rng_for
 from .averager import GossipAverager
 
@@ -73,7 +74,7 @@ class ChocoAverager(GossipAverager):
             header, arrays = received[peer]
             if list(header.get("keys", ())) != keys or len(arrays) != len(keys):
                 raise ValueError(f"compressed gossip {self.tag!r} round {rnd}: rank {peer} sent other buffers")
-            for key, data in zip(keys, arrays, strict=True):
+            for key, data in zip_exact(keys, arrays):
                 self.hat[peer][key] += self.codecs[key].decompress(np.asarray(data, dtype=np.uint8))
         self.link.consumed(received)
         step = np.float32(self.gamma * self.mix)

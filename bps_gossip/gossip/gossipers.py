@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compat import zip_exact
 from ..worker.handle import Handle
 from .graphs import Graph, symmetric_mixing_is_doubly_stochastic
 from .mixing import UniformMixing
@@ -83,7 +84,7 @@ class PushSum:
         received = pending.handle.wait(timeout)
         for src in pending.sources:
             header, arrays = received[src]
-            for key, array in zip(header["keys"], arrays, strict=True):
+            for key, array in zip_exact(header["keys"], arrays):
                 x[key] += array
             if self.track_weight:
                 weight += float(header["weight"])
@@ -127,7 +128,7 @@ class PushPull:
         scale = 1.0 / (len(pending.sources) + 1)
         for src in pending.sources:
             header, arrays = received[src]
-            for key, array in zip(header["keys"], arrays, strict=True):
+            for key, array in zip_exact(header["keys"], arrays):
                 x[key] += array
         self.link.consumed(received)
         for key in x:

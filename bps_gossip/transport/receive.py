@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List
 
 import zmq
 
 from ..errors import ProtocolError
 from .framing import recv_message
 
-Handler = Callable[[Any, dict[str, Any], list[zmq.Frame]], None]  # (routing id or None, header, payload frames)
+Handler = Callable[[Any, Dict[str, Any], List[zmq.Frame]], None]  # (routing id or None, header, payload frames)
 MALFORMED = (ProtocolError, KeyError, TypeError, ValueError)
 
 

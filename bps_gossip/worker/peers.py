@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import zmq
 
 from .. import fields
+from ..compat import zip_exact
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
 from ..transport.security import JobKeys, make_socket
@@ -38,8 +39,8 @@ MAX_ARRAYS = 1024  # arrays in one gossip message
 MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
 
-Message = tuple[dict[str, Any], list[np.ndarray]]
-Filed = tuple[dict[str, Any], list[np.ndarray], int]  # a message and the bytes it holds
+Message = Tuple[Dict[str, Any], List[np.ndarray]]
+Filed = Tuple[Dict[str, Any], List[np.ndarray], int]  # a message and the bytes it holds
 
 
 @dataclasses.dataclass(eq=False)
@@ -164,7 +165,7 @@ class PeerChannel:
         if len(dtypes) != len(frames) or len(counts) != len(frames):
             raise ProtocolError(f"gossip message from rank {src} announces {len(dtypes)} arrays, carries {len(frames)}")
         arrays = []
-        for frame, dtype, count in zip(frames, dtypes, counts, strict=True):
+        for frame, dtype, count in zip_exact(frames, dtypes, counts):
             dt = np.dtype(dtype)
             if dt.kind not in "fiub" or len(frame) != int(count) * dt.itemsize:
                 raise ProtocolError(f"gossip message from rank {src}: {len(frame)} bytes is not {count} x {dt}")
@@ -184,7 +185,7 @@ class PeerChannel:
             raise ProtocolError(f"gossip message from rank {src} names segment {name!r}, which is not its own")
         try:
             arrays = []
-            for dtype, count, offset in zip(dtypes, counts, offsets, strict=True):
+            for dtype, count, offset in zip_exact(dtypes, counts, offsets):
                 dt = np.dtype(dtype)
                 if dt.kind not in "fiub":
                     raise ValueError(f"dtype {dt} is not gossiped")
