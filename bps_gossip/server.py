@@ -33,6 +33,7 @@ import zmq
 
 from . import fields
 from .aggregation import Push, Round, RoundId, validate_push
+from .compat import shutdown_dropping_queued
 from .compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from .config import Config, load_config
 from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
@@ -443,7 +444,7 @@ class Server:
 
     def close(self) -> None:
         """Stop the pool and close the sockets."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        shutdown_dropping_queued(self.pool)
         self.segments.close()
         self.sock.close(linger=0)
         self.sched.close(linger=500)
