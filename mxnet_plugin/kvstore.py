@@ -30,6 +30,7 @@ import bps_gossip as core
 from bps_gossip.compat import zip_exact
 
 from .ops import broadcast_async, finish_push_pull, to_host
+from .optimizer import refuse_in_elastic_job
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 
 NAME = "bpsgossip"
@@ -53,6 +54,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     def __init__(self) -> None:
         core.init()
+        refuse_in_elastic_job("The 'bpsgossip' KVStore")
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
         self.overlap_backward = enabled_by_default()
 

@@ -7,9 +7,21 @@ from typing import Any
 
 import mxnet as mx
 
+import bps_gossip as core
 from bps_gossip.compat import zip_exact
 
 from .ops import finish_push_pull, push_pull_async
+
+
+def refuse_in_elastic_job(what: str) -> None:
+    """Raise ConfigError in an elastic job (BPS_GOSSIP_ELASTIC=1): ``what`` keeps state that
+    no elastic State restores, so a worker change would leave the ranks apart."""
+    elastic = core.is_elastic() if core.is_initialized() else core.load_config().elastic
+    if elastic:
+        raise core.ConfigError(
+            f"{what} is not elastic: in an elastic job (BPS_GOSSIP_ELASTIC=1) a change of workers "
+            "would leave its state behind on some ranks. Use DistributedTrainer inside elastic.run "
+            "with elastic.GluonState (docs/elastic.md), or run the job without BPS_GOSSIP_ELASTIC.")
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -23,6 +35,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def __init__(self, optimizer: mx.optimizer.Optimizer) -> None:  # noqa: D107 - no super().__init__: state lives in the wrapped optimizer
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mxnet Optimizer, got {type(optimizer).__name__}")
+        refuse_in_elastic_job("DistributedOptimizer (the Module API)")
         object.__setattr__(self, "_optimizer", optimizer)
 
     def __getattr__(self, item: str) -> Any:

@@ -70,3 +70,29 @@ def test_gluon_worker_joins_with_current_state(cluster):
     assert all(r["accuracy"] > 0.85 for r in results), results
     assert all("now 3 workers" in f.stdout for f in done[:2]), job.dump()  # the joiner starts at 3
     job.wait_servers_exit()
+
+
+@pytest.mark.timeout(120)
+def test_kvstore_and_module_api_refused_in_elastic_jobs(cluster):
+    """Neither keeps its state in an elastic State: a clear error at creation on every rank,
+    not ranks drifting apart after the first change of workers."""
+    job = cluster(2, env=ELASTIC_ENV)
+    done = job.run_workers("""
+        import mxnet as mx, bps_gossip, mxnet_plugin as bps
+        bps.init()
+        errors = []
+        for make in (lambda: mx.kv.create("bpsgossip"), lambda: bps.DistributedOptimizer(mx.optimizer.SGD())):
+            try:
+                make()
+                errors.append("no error")
+            except bps_gossip.ConfigError as exc:
+                errors.append(str(exc))
+        report(errors)
+        bps.shutdown()
+    """, timeout=90)
+    for f in done:
+        assert f.returncode == 0, job.dump()
+        kvstore, optimizer = f.result
+        assert "'bpsgossip' KVStore is not elastic" in kvstore and "GluonState" in kvstore, kvstore
+        assert "DistributedOptimizer (the Module API) is not elastic" in optimizer, optimizer
+    job.wait_servers_exit()
