@@ -217,7 +217,7 @@ class ElasticRun:
         for slot, child in self.current.items():
             if child.proc.poll() is None and id(child) not in self.first_workers:
                 self.given_up.add(slot)
-                self._note(f"{child.label} is not needed: the job finished before it was admitted; stopping it")
+                self._note(f"{child.label} (a replacement) is still running after the job ended; stopping it")
                 self.sup.signal_group(child.proc.pid, signal.SIGTERM)
 
     def _job_ended(self) -> bool:
