@@ -11,7 +11,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,6 @@ def test_joiner_arriving_as_the_job_ends_exits_zero(when):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     joiner = None
-    started = time.monotonic()
     try:
         lines, hint = [], None
         assert main.stdout is not None
@@ -72,7 +70,8 @@ def test_joiner_arriving_as_the_job_ends_exits_zero(when):
         out = "".join(lines) + rest
         assert joiner.returncode == 0, joiner.stdout + joiner.stderr + out
         assert main.returncode == 0, out
-        assert time.monotonic() - started < 90, out  # nothing waited out the elastic timeout (30 s)
+        # Nothing waited out the elastic timeout: that would have failed the job (exit 1, above).
+        assert "BPS_GOSSIP_ELASTIC_TIMEOUT" not in out, out
         # Either admitted at the last commit and finished with the others, or told the job is over.
         told = "the job finished before this worker" in joiner.stderr
         assert told or (when == "LAST STEPS" and "RESULT [\"final\"" in joiner.stdout), joiner.stdout + joiner.stderr
