@@ -13,6 +13,11 @@ With ``--min-np``/``--max-np`` the local job is elastic: a failed worker is rest
 ``--reset-limit`` times (:mod:`bps_gossip.launch_elastic`), and ``bpslaunch --join COMMAND``
 adds a worker to a running elastic job.
 
+Slurm and mpirun: ``srun -n N bpslaunch COMMAND...`` or ``mpirun -np N bpslaunch COMMAND...``
+(no ``-np``, no ``-H``, no DMLC_ROLE) makes every task one worker; the first task of each node
+also runs a server, and task 0 the scheduler (:mod:`bps_gossip.batch_env` derives the DMLC_*
+variables; ``--no-batch-env`` turns this off).
+
 Every child runs in its own session, so that stopping it also stops whatever it started:
 the launcher sends the signal to the child's process group, waits a grace period, then
 sends SIGKILL. The environment is checked with :func:`load_config` before anything starts.
@@ -25,11 +30,14 @@ import importlib
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 
+from . import batch_env
 from .config import TRAINER_MODES, load_config
 from .errors import ConfigError
 from .hosts import parse_hosts, place_workers, read_hostfile
@@ -165,6 +173,67 @@ def run_byteps(command: list[str], env: Mapping[str, str] | None = None) -> int:
         return sup.wait(fail_fast=False)
 
 
+def run_batch(place: batch_env.Layout, command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """One task of ``srun bpslaunch ...`` or ``mpirun bpslaunch ...``: its worker, and the server
+    and scheduler :func:`bps_gossip.batch_env.plan` gives it. Returns the worker's exit code once
+    this task's scheduler and server have ended too (they do once every worker of the job has
+    shut down); a failed worker, or a service that fails first, stops them all at once."""
+    env = dict(os.environ if env is None else env)
+    _check_command(command, env)
+    processes = batch_env.plan(env, place, socket.gethostname())
+    worker = load_config(processes[-1].env)
+    if not worker.distributed:
+        processes = processes[-1:]  # a one-task job: no scheduler or server, as with -np 1
+    for process in processes[:-1]:
+        load_config(process.env)
+    if place.rank == 0 and worker.distributed:
+        print(f"bpslaunch: {batch_env.describe(place, processes, env)}", file=sys.stderr, flush=True)
+        if worker.keys is None:
+            print("bpslaunch: no job secret (BPS_GOSSIP_SECRET / BPS_GOSSIP_SECRET_FILE unset): sockets "
+                  "are not authenticated or encrypted, as in BytePS; see docs/launcher.md to set one",
+                  file=sys.stderr, flush=True)
+    with Supervisor() as sup:
+        for process in processes:
+            argv = command if process.role == "worker" else [sys.executable, "-m", f"bps_gossip.{process.role}"]
+            sup.start(argv, process.env, process.role, process.label, process.prefix)
+        return _wait_batch(sup)
+
+
+def _wait_batch(sup: Supervisor, note_after: float = 10.0) -> int:
+    """Wait for this task's worker, then (without a deadline) for its scheduler and server: they
+    serve the other tasks' workers until those are done. Returns the worker's exit code."""
+    worker_code: int | None = None
+    done_at = 0.0
+    while True:
+        if sup.signals:
+            sig = sup.signals[0]
+            sup.note(f"got {signal.Signals(sig).name}; stopping every process of this task")
+            sup.stop(sig)
+            return 128 + sig
+        for child in sup.reap():
+            if child.role == "worker":
+                worker_code, done_at = child.code, time.monotonic()
+                if child.code != 0:
+                    sup.note(f"{child.label} exited with code {child.code}; stopping this task's processes")
+                    sup.stop(signal.SIGTERM)
+                    return child.code
+            elif child.code != 0:
+                if worker_code is None:
+                    sup.note(f"{child.label} exited with code {child.code} before the worker finished; "
+                             "stopping this task's processes")
+                    sup.stop(signal.SIGTERM)
+                    return child.code
+                sup.note(f"{child.label} exited with code {child.code} after the worker finished")
+        if all(child.code is not None for child in sup.children):
+            return worker_code or 0
+        if done_at and time.monotonic() - done_at > note_after:
+            late = ", ".join(c.label for c in sup.children if c.code is None)
+            sup.note(f"worker done; {late} still serving the job's other workers (they exit once every "
+                     "worker has shut down)")
+            done_at = 0.0
+        time.sleep(0.05)
+
+
 def _run_multi_host(args: argparse.Namespace, command: list[str], elastic: ElasticOptions) -> int:
     if args.hosts is not None and args.hostfile is not None:
         raise ConfigError("give the hosts with -H or with --hostfile, not both")
@@ -196,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
   bpslaunch --join --root 127.0.0.1:9000 python train.py                  one more worker
   bpslaunch -np 8 -H host1:4,host2:4 python train.py     over ssh, 4 workers on each host
   bpslaunch --hostfile hosts.txt -x LD_LIBRARY_PATH python train.py   lines 'host slots=N'
+  srun -n 8 bpslaunch python train.py            Slurm: one worker per task, a server per node
+  mpirun -np 4 bpslaunch python train.py         the same from Open MPI's or MPICH's variables
 
 BytePS mode reads DMLC_ROLE (worker, server or scheduler), DMLC_NUM_WORKER (worker
 machines), BYTEPS_LOCAL_SIZE (worker processes per machine), DMLC_WORKER_ID (this
@@ -220,6 +291,9 @@ slot's last worker exited 0, else the failed worker's code or the scheduler's (1
                         help="also write each process's output, without prefixes, to DIR/worker0.log, "
                              "DIR/server0.log, DIR/scheduler.log, ...")
     parser.add_argument("--timestamps", action="store_true", help="begin every forwarded line with the time")
+    parser.add_argument("--no-batch-env", action="store_true",
+                        help="ignore Slurm's and MPI's task variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK, "
+                             "PMI_RANK, ...): without -np, -H and DMLC_ROLE, run BytePS mode as before")
     parser.add_argument("--mode", choices=TRAINER_MODES,
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
                              "(SGP, the default) or allreduce (BytePS's gradient averaging)")
@@ -287,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
             if elastic != ElasticOptions():
                 raise ConfigError("--min-np, --max-np, --reset-limit and --elastic-timeout need -np; in "
                                   "BytePS mode set BPS_GOSSIP_ELASTIC, BPS_GOSSIP_MIN_WORKERS, ...")
+            place = None if args.no_batch_env or os.environ.get("DMLC_ROLE") else batch_env.layout(os.environ)
+            if place is not None:  # a task of srun or mpirun
+                return run_batch(place, command)
+            if os.environ.get("SLURM_JOB_ID") and not args.no_batch_env and not os.environ.get("DMLC_ROLE"):
+                print("bpslaunch: in a Slurm job but not in an srun step: running one worker here; "
+                      "'srun bpslaunch ...' runs one per task", file=sys.stderr, flush=True)
             return run_byteps(command)
         return run_local(args.num_proc, 1 if args.num_servers is None else args.num_servers, command,
                          elastic=elastic)
