@@ -57,7 +57,10 @@ class Config:
     elastic_timeout: float = 60.0
     # Elastic: a worker others have waited on this long in one round is removed (0: never).
     stall_timeout: float = 30.0
-    start_timeout: float = 600.0  # scheduler and servers: the rendezvous must complete within this
+    start_timeout: float = 600.0  # the rendezvous must complete within this (every role)
+    # ps-lite's DMLC_USE_KUBERNETES (Kubeflow's MXJob set it): the scheduler binds every interface,
+    # since DMLC_PS_ROOT_URI names a Service that need not be an address of the scheduler's pod.
+    use_kubernetes: bool = False
     trace_on: bool = False  # BytePS's BYTEPS_TRACE_*: write <trace_dir>/<local_rank>/comm.json
     trace_start: int = 10
     trace_end: int = 20
@@ -70,6 +73,12 @@ class Config:
     def scheduler_address(self) -> str:
         """The ZeroMQ endpoint of the scheduler."""
         return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @property
+    def bind_host(self) -> str:
+        """Where servers' and workers' sockets bind: DMLC_NODE_HOST, or every interface under
+        Kubernetes (they still advertise DMLC_NODE_HOST, which may then be a DNS name)."""
+        return "0.0.0.0" if self.use_kubernetes else self.node_host
 
     @property
     def job_id(self) -> str:
@@ -180,13 +189,33 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _default_node_host(root_uri: str) -> str:
+def _default_node_host(root_uri: str, root_port: int | None) -> str:
+    """The address others reach this process at when DMLC_NODE_HOST is unset: 127.0.0.1 for a
+    loopback scheduler; else what this host's name resolves to (in a Kubernetes pod, the pod's
+    IP: the kubelet writes it into /etc/hosts); if that is a loopback address or does not
+    resolve, the local address of the route to the scheduler."""
     if _is_loopback(root_uri):
         return "127.0.0.1"
     try:
-        return socket.gethostbyname(socket.gethostname())
+        address = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        address = None
+    if address is not None and not _is_loopback(address):
+        return address
+    return route_source(root_uri, root_port or 9) or address or "127.0.0.1"
+
+
+def route_source(host: str, port: int) -> str | None:
+    """The local IPv4 address this host would use to reach ``host``, or None.
+
+    Connecting a UDP socket only asks the kernel for a route: no packet is sent.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return probe.getsockname()[0]
+    except OSError:  # an unresolvable name (a Service not yet in DNS), no route
+        return None
 
 
 def load_config(env: Mapping[str, str] | None = None) -> Config:
@@ -250,7 +279,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         root_uri=root_uri,
         root_port=root_port,
         worker_id=worker_id,
-        node_host=_host(env, "DMLC_NODE_HOST", _default_node_host(root_uri)),
+        node_host=_host(env, "DMLC_NODE_HOST", "") or _default_node_host(root_uri, root_port),
         local_rank=local_rank,
         local_size=local_size,
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
@@ -270,6 +299,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         max_workers=max_workers,
         elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
+        use_kubernetes=_bool(env, "DMLC_USE_KUBERNETES", False),
         trace_on=_bool(env, "BYTEPS_TRACE_ON", False),
         trace_start=trace_start,
         trace_end=trace_end,

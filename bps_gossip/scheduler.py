@@ -1,10 +1,11 @@
 """The scheduler: rendezvous, ranks, address book, barriers, heartbeats.
 
-It binds DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT with one ROUTER socket. Every server and
-worker registers; when all are in, each gets the address book and its rank. Nodes
-that stop heart-beating are declared lost, and every other node is told at once so
-that nobody waits for the dead. Once every worker has left or died, the scheduler
-tells the servers to terminate and exits (BytePS issue #264: its scheduler never did).
+It binds DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT with one ROUTER socket (every interface with
+DMLC_USE_KUBERNETES=1). Every server and worker registers; when all are in, each gets the
+address book and its rank. Nodes that stop heart-beating are declared lost, and every
+other node is told at once so that nobody waits for the dead. Once every worker has left
+or died, the scheduler tells the servers to terminate and exits (BytePS issue #264: its
+scheduler never did).
 
 Elastic jobs (BPS_GOSSIP_ELASTIC=1) change membership instead of failing: a lost
 worker or server, a graceful leave, or (at the next commit check) workers waiting to
@@ -53,6 +54,21 @@ class Change:
     ready: set[bytes] = dataclasses.field(default_factory=set)
 
 
+def bind_host(config: Config) -> str:
+    """The address the scheduler binds: every interface (0.0.0.0) with DMLC_USE_KUBERNETES=1,
+    as ps-lite does (DMLC_PS_ROOT_URI then names a Service, whose address may not be the pod's,
+    or whose DNS record may not exist yet when the scheduler starts); else DMLC_PS_ROOT_URI's
+    address."""
+    if config.use_kubernetes:
+        return "0.0.0.0"
+    try:
+        return socket.gethostbyname(config.root_uri)
+    except OSError as exc:
+        raise ConfigError(f"DMLC_PS_ROOT_URI={config.root_uri!r} cannot be resolved ({exc}); "
+                          "under Kubernetes set DMLC_USE_KUBERNETES=1 (the scheduler then binds "
+                          "0.0.0.0)") from None
+
+
 class Scheduler:
     """The scheduler's state and its single-threaded event loop."""
 
@@ -67,8 +83,9 @@ class Scheduler:
         # Only small control messages come here: a larger one drops its sender's connection
         # before anything is allocated for it.
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        host = socket.gethostbyname(config.root_uri)
-        self.sock.bind(f"tcp://{host}:{config.root_port}")
+        self.sock.bind(f"tcp://{bind_host(config)}:{config.root_port}")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.log.info("listening on %s (others connect to %s)", self.endpoint, config.scheduler_address)
         self.barriers: dict[int, set[bytes]] = {}
         self.commits: dict[int, set[bytes]] = {}
         self.change: Change | None = None  # an elastic membership change waiting for rejoins

@@ -36,13 +36,14 @@ from .aggregation import Push, Round, RoundId, validate_push
 from .compat import shutdown_dropping_queued
 from .compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from .config import Config, load_config
-from .errors import BpsGossipError, CommTimeoutError, JobFailedError, PeerLostError, ProtocolError
+from .errors import BpsGossipError, JobFailedError, PeerLostError, ProtocolError
 from .liveness import start_ticks
 from .logs import get_logger
 from .transport import bind_random_port, recv_message, send_message
 from .transport.receive import DropLog, drain
 from .transport.security import HandshakeWatch, make_socket
 from .transport.shm import AttachedSegments, owner_pid
+from .transport.startup import StartupWait
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
 MAX_GENERATION = 1 << 40
@@ -71,7 +72,7 @@ class Server:
         # A frame above this drops its sender's connection before anything is allocated for it:
         # workers send partitions of at most BYTEPS_PARTITION_BYTES (headers are small).
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(2 * config.partition_bytes, MIN_MAX_FRAME))
-        self.addr = bind_random_port(self.sock, config.node_host, config.port)
+        self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
         self.sched = make_socket(self.ctx, zmq.DEALER, config.keys, serve=False)
         self.sched.setsockopt(zmq.LINGER, 1000)
         self.sched.setsockopt(zmq.IDENTITY, f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
@@ -106,35 +107,34 @@ class Server:
 
     # -- registration -------------------------------------------------------------
     def register(self) -> None:
-        """Register with the scheduler and wait for the address book."""
+        """Register with the scheduler and wait for the address book.
+
+        The scheduler may start later than this server, and the workers much later (pods
+        minutes apart, slow imports): see :mod:`bps_gossip.transport.startup` for how long
+        this waits (BPS_GOSSIP_START_TIMEOUT for a connection, then as long as the scheduler
+        answers heartbeats).
+        """
         send_message(self.sched, {
             "op": "register", "role": "server", "addr": self.addr, "host": self.config.node_host,
             "pid": os.getpid(), "start_ticks": start_ticks(), "DMLC_NUM_WORKER": self.config.num_worker,
             "DMLC_NUM_SERVER": self.config.num_server,
         })
-        # Workers may start much later than the servers (slow imports, a busy cluster): wait
-        # as long as the scheduler answers heartbeats, and give up only when it falls silent.
         interval = self.config.heartbeat_interval
-        heard = time.monotonic()
+        wait = StartupWait(self.watch, self.config, f"server {self.addr}", self.log)
         poller = zmq.Poller()
         poller.register(self.sched, zmq.POLLIN)
         poller.register(self.sock, zmq.POLLIN)
         while True:
-            if time.monotonic() - heard > self.config.timeout:
-                raise CommTimeoutError(
-                    f"server {self.addr}: no address book from the scheduler at "
-                    f"{self.config.scheduler_address}, and no answer for {self.config.timeout:.1f} s "
-                    "(is it running?)"
-                )
-            self.watch.check(self.config.keys, f"server {self.addr}", self.config.scheduler_address)
+            wait.check()
             events = dict(poller.poll(int(min(interval, 0.5) * 1000)))
             if self.sock in events:  # pushes of workers that have their book already: held
                 self._drain_socket()
             if self.sched not in events:
-                send_message(self.sched, {"op": "heartbeat"})
+                if wait.connected:  # before that, heartbeats would only pile up in the queue
+                    send_message(self.sched, {"op": "heartbeat"})
                 continue
             _, msg, _ = recv_message(self.sched, routed=False)
-            heard = time.monotonic()
+            wait.heard_from()
             if msg["op"] == "refused":
                 raise ProtocolError(f"scheduler refused this server: {msg.get('why')}")
             if msg["op"] == "terminate":

@@ -271,7 +271,8 @@ def test_dead_scheduler_fails_the_workers(cluster):
 
 @pytest.mark.timeout(30)
 def test_unreachable_scheduler(cluster):
-    job = cluster(2, 1, {"BPS_GOSSIP_TIMEOUT": "2"}, start_servers=False)  # nothing listens on job.port
+    # Nothing listens on job.port: the worker waits for a connection up to BPS_GOSSIP_START_TIMEOUT.
+    job = cluster(2, 1, {"BPS_GOSSIP_TIMEOUT": "1", "BPS_GOSSIP_START_TIMEOUT": "2"}, start_servers=False)
     done = job.run_workers(script('''
         expect_error("init", bps.init)
         time.sleep(0.3)  # ZeroMQ closes a socket's descriptors in the background
@@ -284,7 +285,8 @@ def test_unreachable_scheduler(cluster):
     '''), count=1, timeout=15)
     assert_all_ok(done, job)
     for label in ("init", "again"):
-        check(done[0].result[label], "CommTimeoutError", f"tcp://127.0.0.1:{job.port}", "2.0 s", within=3.5)
+        check(done[0].result[label], "CommTimeoutError", f"tcp://127.0.0.1:{job.port}", "2.0 s",
+              "BPS_GOSSIP_START_TIMEOUT", within=3.5)
     assert done[0].result["initialized"] is False and done[0].result["leaked"] == 0
 
 
@@ -350,21 +352,21 @@ def test_worker_count_disagreeing_with_the_scheduler(cluster):
 
 @pytest.mark.timeout(60)
 def test_two_workers_with_the_same_worker_id(cluster):
-    job = cluster(2, 1, {"BPS_GOSSIP_TIMEOUT": "3"})
+    job = cluster(2, 1, {"BPS_GOSSIP_START_TIMEOUT": "3"})
     done = job.run_workers(script('''
         expect_error("init", bps.init)
         report(outcomes)
     '''), per_rank_env={1: {"DMLC_WORKER_ID": "0"}}, timeout=30)
     assert_all_ok(done, job)
     kinds = sorted(f.result["init"][0] for f in done)
-    assert kinds == ["CommTimeoutError", "ConfigError"], job.dump()
+    assert kinds == ["ConfigError", "JobFailedError"], job.dump()
     for f in done:
         name, message, seconds = f.result["init"]
         if name == "ConfigError":  # the second to register is refused at once
             assert "DMLC_WORKER_ID" in message and "BYTEPS_LOCAL_RANK=0" in message, message
             assert seconds < 2, f.result
-        else:  # the first waits for a rendezvous that cannot complete, then says so
-            assert f"127.0.0.1:{job.port}" in message and seconds < 4.5, f.result
+        else:  # the first waits for a rendezvous that cannot complete; the scheduler ends it
+            assert "BPS_GOSSIP_START_TIMEOUT=3" in message and seconds < 4.5, f.result
 
 
 @pytest.mark.timeout(60)

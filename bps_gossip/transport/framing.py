@@ -55,10 +55,12 @@ def recv_message(sock: zmq.Socket, routed: bool) -> tuple[bytes | None, dict[str
     return route, header, frames[1:]
 
 
-def bind_random_port(sock: zmq.Socket, host: str, port: int = 0) -> str:
-    """Bind ``sock`` on ``host`` (a free port when ``port`` is 0); return the endpoint."""
+def bind_random_port(sock: zmq.Socket, host: str, port: int = 0, advertise: str | None = None) -> str:
+    """Bind ``sock`` on ``host`` (a free port when ``port`` is 0); return the endpoint others
+    connect to, on ``advertise`` when given (a socket bound on 0.0.0.0 is reached at this
+    host's own address), else on ``host``."""
     if port:
         sock.bind(f"tcp://{host}:{port}")
-        return f"tcp://{host}:{port}"
-    bound = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{bound}"
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{advertise or host}:{port}"

@@ -17,6 +17,7 @@ import threading
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ConfigError
 
@@ -95,17 +96,27 @@ def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) 
 
 
 class HandshakeWatch:
-    """Notices a failed security handshake on a connecting socket (a secret that differs
+    """Watches a connecting socket's handshakes: notices a failed one (a secret that differs
     from the job's, or one side without a secret), so that registration can say so at once
-    instead of waiting out a timeout."""
+    instead of waiting out a timeout, and a successful one (``connected``: the peer is up and
+    will read what is sent; before that, messages only queue while ZeroMQ keeps retrying)."""
 
     def __init__(self, sock: zmq.Socket) -> None:
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock = sock
+        self.connected = False
 
     def check(self, keys: JobKeys | None, who: str, address: str) -> None:
-        """Raise ConfigError if a handshake with ``address`` failed (non-blocking)."""
-        if not self.monitor.poll(0):
+        """Raise ConfigError if a handshake with ``address`` failed; note one that succeeded
+        in ``connected`` (non-blocking)."""
+        failed = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
+            else:
+                failed = True
+        if not failed:
             return
         if keys is None:
             why = "it has no secret and the job has one: set BPS_GOSSIP_SECRET (or BPS_GOSSIP_SECRET_FILE)"

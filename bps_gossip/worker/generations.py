@@ -31,6 +31,7 @@ from ..errors import (
 from ..liveness import start_ticks
 from ..transport import MAX_HEADER_BYTES, bind_random_port, recv_message, send_message
 from ..transport.security import HandshakeWatch, make_socket
+from ..transport.startup import StartupWait
 from .handle import Handle
 from .peers import LEFT_GRACE, PeerChannel
 
@@ -72,33 +73,29 @@ class GenerationHandling:
         self.peer = make_socket(self.ctx, zmq.ROUTER, cfg.keys, serve=True)  # gossip peer channel
         self.peer.setsockopt(zmq.LINGER, 0)
         self.peer.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + MAX_HEADER_BYTES)
-        peer_addr = bind_random_port(self.peer, cfg.node_host)
+        peer_addr = bind_random_port(self.peer, cfg.bind_host, advertise=cfg.node_host)
         send_message(self.sched, {
             "op": "register", "role": "worker", "host": cfg.node_host, "pid": os.getpid(), "start_ticks": start_ticks(),
             "worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "local_size": cfg.local_size,
             "peer_addr": peer_addr, "DMLC_NUM_WORKER": cfg.num_worker, "DMLC_NUM_SERVER": cfg.num_server,
         })
-        deadline = time.monotonic() + cfg.timeout
-        waited = False
+        # The scheduler may start after this worker, and the rest of the job later still: see
+        # bps_gossip.transport.startup. An elastic joiner the running job told to wait has
+        # BPS_GOSSIP_ELASTIC_TIMEOUT + BPS_GOSSIP_TIMEOUT to be admitted.
+        wait = StartupWait(watch, cfg, f"worker pid {os.getpid()}", self.log)
+        admit_by: float | None = None
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if waited:
-                    raise CommTimeoutError(
-                        f"worker pid {os.getpid()}: the running job at {cfg.scheduler_address} did not admit "
-                        f"this worker within {cfg.elastic_timeout + cfg.timeout:.1f} s (it joins at the next "
-                        "commit: does the training loop call state.commit()?)")
+            wait.check()
+            if admit_by is not None and time.monotonic() > admit_by:
                 raise CommTimeoutError(
-                    f"worker pid {os.getpid()}: no answer from the scheduler at {cfg.scheduler_address} "
-                    f"within {cfg.timeout:.1f} s (check DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT, and that all "
-                    f"DMLC_NUM_WORKER={cfg.num_worker} x BYTEPS_LOCAL_SIZE workers and "
-                    f"DMLC_NUM_SERVER={cfg.num_server} servers started)"
-                )
-            watch.check(cfg.keys, f"worker pid {os.getpid()}", cfg.scheduler_address)
-            if not self.sched.poll(int(min(left, cfg.heartbeat_interval, 0.5) * 1000)):
-                if waited:  # a joiner heart-beats while it waits to be admitted
+                    f"worker pid {os.getpid()}: the running job at {cfg.scheduler_address} did not admit "
+                    f"this worker within {cfg.elastic_timeout + cfg.timeout:.1f} s (it joins at the next "
+                    "commit: does the training loop call state.commit()?)")
+            if not self.sched.poll(int(min(cfg.heartbeat_interval, 0.5) * 1000)):
+                if wait.connected:  # the scheduler answers; before the connection, they would pile up
                     send_message(self.sched, {"op": "heartbeat"})
                 continue
+            wait.heard_from()
             _, msg, _ = recv_message(self.sched, routed=False)
             if msg["op"] == "refused":
                 raise ConfigError(f"the scheduler refused this worker: {msg.get('why')}")
@@ -106,13 +103,12 @@ class GenerationHandling:
                 raise JobFailedError(f"the job failed: {msg.get('why')}")
             if msg["op"] == "job_over":
                 raise JobEndedError(f"the job finished before this worker was admitted ({msg.get('why')})")
-            if msg["op"] == "wait" and not waited:
-                waited = True
-                deadline = time.monotonic() + cfg.elastic_timeout + cfg.timeout
+            if msg["op"] == "wait" and admit_by is None:
+                admit_by = time.monotonic() + cfg.elastic_timeout + cfg.timeout
                 self.log.info("waiting to join the running job: %s", msg.get("why"))
             if msg["op"] == "book":
                 break
-        self.has_state = not waited  # a joiner gets the job's state from rank 0 later
+        self.has_state = admit_by is None  # a joiner gets the job's state from rank 0 later
         self._apply_book(msg)
 
     def _apply_book(self, msg: dict[str, Any]) -> None:
