@@ -57,8 +57,9 @@ def init(config: Config | None = None) -> None:
     """Join the job: register with the scheduler and wait for every worker and server.
 
     Reads the environment when ``config`` is None. Calling it again is a no-op.
-    Raises ConfigError for a bad environment and CommTimeoutError when the scheduler
-    does not answer within BPS_GOSSIP_TIMEOUT.
+    Raises ConfigError for a bad environment (or a wrong job secret) and CommTimeoutError
+    when no scheduler can be reached within BPS_GOSSIP_START_TIMEOUT (it may start later than
+    this worker: pods minutes apart), or a reached one falls silent for BPS_GOSSIP_TIMEOUT.
     """
     global _runtime, _atexit_registered
     with _lock:

@@ -30,11 +30,9 @@ import importlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 
 from . import batch_env
@@ -196,42 +194,8 @@ def run_batch(place: batch_env.Layout, command: list[str], env: Mapping[str, str
         for process in processes:
             argv = command if process.role == "worker" else [sys.executable, "-m", f"bps_gossip.{process.role}"]
             sup.start(argv, process.env, process.role, process.label, process.prefix)
-        return _wait_batch(sup)
-
-
-def _wait_batch(sup: Supervisor, note_after: float = 10.0) -> int:
-    """Wait for this task's worker, then (without a deadline) for its scheduler and server: they
-    serve the other tasks' workers until those are done. Returns the worker's exit code."""
-    worker_code: int | None = None
-    done_at = 0.0
-    while True:
-        if sup.signals:
-            sig = sup.signals[0]
-            sup.note(f"got {signal.Signals(sig).name}; stopping every process of this task")
-            sup.stop(sig)
-            return 128 + sig
-        for child in sup.reap():
-            if child.role == "worker":
-                worker_code, done_at = child.code, time.monotonic()
-                if child.code != 0:
-                    sup.note(f"{child.label} exited with code {child.code}; stopping this task's processes")
-                    sup.stop(signal.SIGTERM)
-                    return child.code
-            elif child.code != 0:
-                if worker_code is None:
-                    sup.note(f"{child.label} exited with code {child.code} before the worker finished; "
-                             "stopping this task's processes")
-                    sup.stop(signal.SIGTERM)
-                    return child.code
-                sup.note(f"{child.label} exited with code {child.code} after the worker finished")
-        if all(child.code is not None for child in sup.children):
-            return worker_code or 0
-        if done_at and time.monotonic() - done_at > note_after:
-            late = ", ".join(c.label for c in sup.children if c.code is None)
-            sup.note(f"worker done; {late} still serving the job's other workers (they exit once every "
-                     "worker has shut down)")
-            done_at = 0.0
-        time.sleep(0.05)
+        # This task's scheduler and server serve the other tasks' workers too: no deadline.
+        return sup.wait(fail_fast=True, services_seconds=None)
 
 
 def _run_multi_host(args: argparse.Namespace, command: list[str], elastic: ElasticOptions) -> int:

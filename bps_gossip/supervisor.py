@@ -194,11 +194,13 @@ class Supervisor:
                 ended.append(child)
         return ended
 
-    def wait(self, fail_fast: bool) -> int:
+    def wait(self, fail_fast: bool, services_seconds: float | None = SERVICE_EXIT_SECONDS) -> int:
         """Wait for every worker; return the first non-zero exit code (in time), else 0.
 
         With ``fail_fast``, a worker that fails, or a scheduler or server that fails before
-        the workers are done, stops the whole job at once. A stop signal always does.
+        the workers are done, stops the whole job at once. A stop signal always does. Then
+        the scheduler and servers get ``services_seconds`` to exit by themselves (None: as
+        long as they take, e.g. while they serve other launchers' workers).
         """
         first_error = 0
         while True:
@@ -219,22 +221,31 @@ class Supervisor:
             if all(c.code is not None for c in self.children if c.role == "worker"):
                 break
             time.sleep(_POLL_SECONDS)
-        self.wait_services()
+        self.wait_services(services_seconds)
         if self.signals:
             self.stop(self.signals[0])
             return 128 + self.signals[0]
         return first_error
 
-    def wait_services(self) -> None:
-        """Give the scheduler and servers a bounded time to exit by themselves."""
-        deadline = time.monotonic() + SERVICE_EXIT_SECONDS
-        while any(c.code is None for c in self.children) and time.monotonic() < deadline and not self.signals:
+    def wait_services(self, seconds: float | None = SERVICE_EXIT_SECONDS, note_after: float = 10.0) -> None:
+        """Give the scheduler and servers ``seconds`` (None: no limit, with a note after
+        ``note_after`` seconds) to exit by themselves; then stop them."""
+        start = time.monotonic()
+        noted = seconds is not None
+        while any(c.code is None for c in self.children) and not self.signals:
+            waited = time.monotonic() - start
+            if seconds is not None and waited >= seconds:
+                break
+            if not noted and waited > note_after:
+                late = ", ".join(c.label for c in self.children if c.code is None)
+                self.note(f"worker done; {late} still serving the job's other workers (they exit once "
+                          "every worker has shut down)")
+                noted = True
             time.sleep(_POLL_SECONDS)
             self.reap()
         late = [c.label for c in self.children if c.code is None]
-        if late:
-            self.note(f"{', '.join(late)} did not exit within {SERVICE_EXIT_SECONDS:.0f} s "
-                      "after the workers; stopping them")
+        if late and not self.signals:
+            self.note(f"{', '.join(late)} did not exit within {seconds:.0f} s after the workers; stopping them")
             self.stop(signal.SIGTERM)
         for child in self.children:
             if child.role != "worker" and child.code not in (0, None):
