@@ -187,6 +187,13 @@ class Membership:
             ],
         }
 
+    def forget(self, uid: bytes) -> None:
+        """Before the rendezvous: drop a registered node that died, so that its place (its
+        DMLC_WORKER_ID and BYTEPS_LOCAL_RANK, or a server's) is free for a replacement."""
+        if self.started:
+            raise RuntimeError("only a node that never had a rank can be forgotten")
+        self.nodes.pop(uid, None)
+
     def mark(self, uid: bytes, state: str) -> Node | None:
         """Set a node's state to 'left' or 'lost'; return it if it was alive (or joining)."""
         node = self.nodes.get(uid)

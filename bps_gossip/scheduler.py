@@ -402,12 +402,12 @@ class Scheduler:
             node.local.kill()
 
     def _check_heartbeats(self) -> None:
-        if not self.members.started:
-            waited = time.monotonic() - self.created
-            if waited > self.config.start_timeout:
-                self._fail_job(self._incomplete_start(waited))
-            return
         now = time.monotonic()
+        if not self.members.started:
+            self._forget_dead_before_start(now)
+            if now - self.created > self.config.start_timeout:
+                self._fail_job(self._incomplete_start(now - self.created))
+            return
         for node in list(self.members.nodes.values()):
             if node.state not in ("alive", "joining"):
                 continue
@@ -421,6 +421,20 @@ class Scheduler:
                 self._on_gone(node, "lost", f"no heartbeat for {now - node.last_seen:.1f} s")
         if self.config.elastic:
             self._check_elastic(now)
+
+    def _forget_dead_before_start(self, now: float) -> None:
+        """A node that registered and died before the rendezvous would hold its place for good
+        (a replacement is refused as a duplicate, the rendezvous never completes): forget it."""
+        for node in list(self.members.nodes.values()):
+            if node.local is not None and not node.local.alive():
+                why = "its process exited"
+            elif now - node.last_seen > self.config.heartbeat_timeout:
+                why = f"no heartbeat for {now - node.last_seen:.1f} s"
+            else:
+                continue
+            self.members.forget(node.uid)
+            self.log.warning("%s pid %s on %s is gone before the rendezvous (%s); its place is free again",
+                             node.role, node.pid, node.host, why)
 
     # -- loop ---------------------------------------------------------------------
     def run(self) -> None:

@@ -403,3 +403,27 @@ def test_scheduler_and_server_without_workers_end(cluster):
     assert done[0].result == [1.0, 1.0]
     job.wait_servers_exit(timeout=15)
     assert job.scheduler.returncode == 1
+
+
+@pytest.mark.timeout(90)
+def test_worker_dead_before_the_rendezvous_frees_its_place(cluster):
+    """A worker that registers and dies while the job waits for the others must not hold
+    its place: a replacement with the same DMLC_WORKER_ID completes the job."""
+    job = cluster(2)
+    doomed = job.start_workers("""
+        import os, threading, time, bps_gossip as bps
+        threading.Thread(target=bps.init, daemon=True).start()
+        time.sleep(2)   # registered, waiting for worker 1
+        os.kill(os.getpid(), 9)
+    """, count=1)
+    assert job.wait(doomed, 30)[0].returncode == -signal.SIGKILL, job.dump()
+    done = job.run_workers("""
+        import numpy as np, bps_gossip as bps
+        bps.init()
+        report(bps.push_pull(np.ones(4, np.float32), "x", average=False).tolist())
+        bps.shutdown()
+    """, timeout=60)
+    assert_all_ok(done, job)
+    assert [f.result for f in done] == [[2.0] * 4] * 2
+    assert "is gone before the rendezvous (its process exited)" in job.dump()
+    job.wait_servers_exit()
