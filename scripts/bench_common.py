@@ -16,7 +16,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bps_gossip.compat import zip_exact
+from bps_gossip.launcher import free_port
 from bps_gossip.supervisor import kill_groups, start_in_session
 
 REPLY_PREFIX = "@@BENCH "  # marks protocol lines: MXNet and ps-lite may print to stdout too
@@ -101,12 +101,6 @@ def format_size(nbytes: int) -> str:
             return f"{nbytes // scale} {unit}"
     return f"{nbytes} B"
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the kernel handed out for port 0 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def median(values: Sequence[float]) -> float:

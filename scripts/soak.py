@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from bps_gossip.compat import zip_exact
+from bps_gossip.launcher import free_port
 from bps_gossip.supervisor import kill_groups, start_in_session
 
 WORKER = '''
@@ -100,11 +100,6 @@ print("SOAK", json.dumps({"rank": rank, "steps": step, "ops": ops}), flush=True)
 bps.shutdown()
 '''
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bps_gossip.launcher import free_port
 from bps_gossip.supervisor import kill_groups, start_in_session
 from bps_gossip.transport import shm
 
@@ -40,12 +40,6 @@ def report(value):
     print("RESULT " + json.dumps(value), flush=True)
 '''
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass
