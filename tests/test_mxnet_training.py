@@ -25,6 +25,7 @@ OPTIMIZER = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}
 
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
+from bps_gossip.compat import zip_exact
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
 def build():
