@@ -177,6 +177,11 @@ def slurm_usable() -> str:
     """Why a real srun cannot run here ('' when it can): srun installed and a controller answering."""
     if shutil.which("srun") is None or shutil.which("sinfo") is None:
         return "srun is not installed (scripts/slurm_local.sh sets up a one-node Slurm)"
+    conf = os.environ.get("SLURM_CONF", "")
+    if not conf or not os.path.isfile(conf):
+        # Without a configuration file Slurm's tools look their controller up in DNS: no probe
+        # leaves this machine, so only a deliberately set SLURM_CONF (slurm_local.sh's) is tried.
+        return "SLURM_CONF names no configuration file (scripts/slurm_local.sh sets up a one-node Slurm)"
     try:
         done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=5)
     except subprocess.TimeoutExpired:
