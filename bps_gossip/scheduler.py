@@ -143,6 +143,8 @@ class Scheduler:
             if node.local_rank >= node.local_size:
                 raise ConfigError(f"local_rank {node.local_rank} is not below local_size {node.local_size}")
             node.local = LocalProcess.find(node.pid, fields.optional_integer(msg, "start_ticks", 0, fields.MAX_INT))
+            if not self.members.started:  # a replacement may come before the next tick sees its predecessor die
+                self._forget_dead_before_start(time.monotonic())
             self.members.add(node)
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             self.log.error("refused registration from %r: %s", uid, exc)
