@@ -26,6 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .transport import shm
+
 GRACE_SECONDS = 3.0
 MAX_SPEC_BYTES = 1 << 20  # the launcher's line: argv, cwd and the forwarded environment
 
@@ -125,6 +127,7 @@ def run(argv: list[str], cwd: str, env: Mapping[str, str], secret: str | None, s
         code = proc.wait()
         if not stopping.is_set():
             _kill_group(proc)  # what the command started and left running goes with it
+        shm.sweep_after(proc.pid, child_env)  # a killed worker could not unlink its segments
         return 128 - code if code < 0 else code
     finally:
         if secret_file is not None:

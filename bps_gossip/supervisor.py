@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import IO
 
 from .compat import zip_exact
+from .transport import shm
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
@@ -72,6 +73,7 @@ class _Child:
     proc: subprocess.Popen
     pumps: list[threading.Thread]
     code: int | None = None
+    segments_env: Mapping[str, str] | None = None  # a worker on this host: sweep its shared memory
     log: IO[bytes] | None = None  # --output-dir: this process's own log file
     # The last lines it printed on stderr (when piped): bpslaunch quotes them when it fails.
     tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
@@ -112,7 +114,8 @@ class Supervisor:
         """Start ``argv`` in a new session. With a ``prefix``, its stdout and stderr are piped
         and forwarded line by line behind the prefix; without one, it shares ours. With
         ``stdin_data``, its stdin is a pipe that gets these bytes and then stays open until the
-        child ends (bps_gossip.remote stops its command when its stdin ends)."""
+        child ends (bps_gossip.remote stops its command when its stdin ends, and sweeps on its
+        host). A worker started here has its shared-memory segments swept when it exits."""
         pipe = subprocess.PIPE if prefix is not None else None
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         if stdin_data is not None:
@@ -126,6 +129,8 @@ class Supervisor:
             except BrokenPipeError:
                 pass  # it ended at once: its exit code tells the waiting loop
         child = _Child(label, role, proc, [])
+        if role == "worker" and stdin_data is None:
+            child.segments_env = env
         if prefix is not None:
             log = None
             if self.output_dir is not None:  # one file per process, its output without prefixes
@@ -191,6 +196,8 @@ class Supervisor:
         for child in self.children:
             if child.code is None and child.proc.poll() is not None:
                 child.code = exit_code(child.proc.returncode)
+                if child.segments_env is not None:  # a killed worker could not unlink its own
+                    shm.sweep_after(child.proc.pid, child.segments_env)
                 ended.append(child)
         return ended
 

@@ -7,13 +7,13 @@ back into each region, so a push_pull costs each worker one copy in and one copy
 
 Cleanup on every exit path, without Python's resource tracker: the owner unlinks at
 shutdown (and at exit). Names carry the job's prefix and the owner's pid, so what a
-killed owner leaves is removed by whoever sees it die on this host: the scheduler (a
-lost local worker), bpslaunch (at the end of the job) and the next pool created on
-this host (segments whose owner is gone). No segment is registered with the resource
-tracker: the tracker would unlink a killed owner's segments too, but it reports each
-as "leaked shared_memory objects", which reads as a leak on every elastic restart, and
-an attaching process must not let its tracker unlink what it does not own (NOTES:
-Python 3.11 otherwise unlinks on exit).
+killed owner leaves is removed by whoever sees it die on this host: the process that
+started it (bpslaunch's supervisor, or bps_gossip.remote on an ssh host) as soon as it
+exits, the scheduler (a lost worker on its host), and bpslaunch again at the end of a
+job. No segment is on the resource tracker: the tracker would unlink a killed owner's
+segments too, but it reports each as "leaked shared_memory objects", which reads as a
+leak on every elastic restart; and an attaching process must not let its tracker unlink
+what it does not own (NOTES: Python 3.11 otherwise unlinks on exit).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import _posixshmem
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
@@ -144,6 +145,13 @@ def sweep(job: str | None = None, pid: int | None = None) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+def sweep_after(pid: int, env: Mapping[str, str]) -> int:
+    """Remove what the process ``pid`` left of the job its environment names (DMLC_PS_ROOT_PORT);
+    for whoever started a worker and saw it exit, killed or not. Returns how many."""
+    port = env.get("DMLC_PS_ROOT_PORT", "")
+    return sweep(port, pid) if port.isdigit() else 0
 
 
 def shm_available() -> bool:
