@@ -37,6 +37,17 @@ def segment_name(job: str) -> str:
     return f"{PREFIX}_{job}_{os.getpid()}_{uuid.uuid4().hex[:10]}"
 
 
+def _start_tracker_here() -> None:
+    """Start this process's resource tracker now, from the thread that sets up a pool.
+
+    SharedMemory registers every segment with the tracker (we take it off again at once),
+    and the first registration starts the tracker process. Started later from one of
+    MXNet's custom-operator threads (a push_pull inside the engine), that fork runs MXNet's
+    fork handlers there, which join the engine's threads from one of them and abort the
+    process ("Resource deadlock avoided") on Python 3.8 and 3.9, which fork without vfork."""
+    resource_tracker.ensure_running()
+
+
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     """Take a segment off this process's resource tracker (see the module docstring)."""
     resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
@@ -114,6 +125,7 @@ class AttachedSegments:
     unmapped first), each attached on first use."""
 
     def __init__(self, limit: int) -> None:
+        _start_tracker_here()
         self.limit = limit
         self._segments: dict[str, AttachedSegment] = {}
 
@@ -164,6 +176,7 @@ class SegmentPool:
     the engine thread releases)."""
 
     def __init__(self, job: str) -> None:
+        _start_tracker_here()
         self.job = job
         self._free: dict[str, list[OwnedSegment]] = {}
         self._all: set[OwnedSegment] = set()
