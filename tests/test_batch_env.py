@@ -125,21 +125,21 @@ def test_user_variables_win():
     assert roles(plan_of(slurm_env(0, DMLC_NUM_SERVER="5"))) == ["scheduler", "server0", "server3", "worker0"]
 
 
-def test_contradictions_and_missing_variables():
-    with pytest.raises(ConfigError, match="DMLC_NUM_WORKER=2 contradicts .*nodes: 3"):
-        plan_of(slurm_env(0, DMLC_NUM_WORKER="2"))
-    with pytest.raises(ConfigError, match="DMLC_WORKER_ID=0 contradicts .*index: 1"):
-        plan_of(slurm_env(2, DMLC_WORKER_ID="0"))
-    with pytest.raises(ConfigError, match="gives 2 node.*names 3"):
-        plan_of(slurm_env(0, per_node="2,3"))
-    with pytest.raises(ConfigError, match="adds up to 5 tasks, not 6"):
-        plan_of(slurm_env(0, SLURM_NTASKS="6"))
-    with pytest.raises(ConfigError, match="SLURM_LOCALID=2 must be smaller than the tasks on node node1=2"):
-        plan_of(slurm_env(0, SLURM_LOCALID="2"))
-    with pytest.raises(ConfigError, match="SLURM_NODEID=3 must be smaller"):
-        plan_of(slurm_env(0, SLURM_NODEID="3"))
-    with pytest.raises(ConfigError, match="SLURM_PROCID='x' is not an integer"):
-        plan_of(slurm_env(0, SLURM_PROCID="x"))
+@pytest.mark.parametrize("task, overrides, message", [
+    (0, {"DMLC_NUM_WORKER": "2"}, "DMLC_NUM_WORKER=2 contradicts .*nodes: 3"),
+    (2, {"DMLC_WORKER_ID": "0"}, "DMLC_WORKER_ID=0 contradicts .*index: 1"),
+    (0, {"per_node": "2,3"}, "gives 2 node.*names 3"),
+    (0, {"SLURM_NTASKS": "6"}, "adds up to 5 tasks, not 6"),
+    (0, {"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2 must be smaller than the tasks on node node1=2"),
+    (0, {"SLURM_NODEID": "3"}, "SLURM_NODEID=3 must be smaller"),
+    (0, {"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
+])
+def test_contradictions(task, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(slurm_env(task, **overrides))
+
+
+def test_missing_variable_is_named():
     env = slurm_env(0)
     del env["SLURM_LOCALID"]
     with pytest.raises(ConfigError, match="SLURM_LOCALID is not set"):
