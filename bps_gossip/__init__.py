@@ -5,8 +5,6 @@ The core speaks numpy; ``mxnet_plugin`` binds it to MXNet and Gluon.
 
 from .api import (
     barrier,
-    broadcast,
-    broadcast_async,
     commit_check,
     declare,
     generation,
@@ -15,16 +13,13 @@ from .api import (
     is_initialized,
     local_rank,
     local_size,
-    poll,
-    push_pull,
-    push_pull_async,
     rank,
     reset,
     server_stats,
     shutdown,
     size,
-    synchronize,
 )
+from .collectives import broadcast, broadcast_async, poll, push_pull, push_pull_async, synchronize
 from .config import Config, load_config
 from .errors import (
     BpsGossipError,
@@ -38,7 +33,7 @@ from .errors import (
     TensorMismatchError,
     WorkersChangedError,
 )
-from .worker.handle import Handle
+from .worker.futures import Future as Handle  # what asynchronous calls return
 
 __version__ = "0.1.0"
 

@@ -46,7 +46,7 @@ for _ in range({ROUNDS}):
     assert np.all(out == size * (size + 1) / 2), out[:4]
 rx1, tx1 = link()
 print(f"RESULT rank={{rank}} size={{size}} rx={{rx1 - rx0}} tx={{tx1 - tx0}} "
-      f"shm={{sorted(api._runtime.engine.shm_servers)}}", flush=True)
+      f"shm={{sorted(api._rt('test').engine.servers.shm_servers)}}", flush=True)
 bg.shutdown()
 """
 

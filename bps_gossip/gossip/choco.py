@@ -69,7 +69,7 @@ class ChocoAverager(GossipAverager):
             payload.append(data)
         for peer in self.neighbors:
             self.link.send(peer, {"tag": self.tag, "round": rnd, "keys": keys}, payload)
-        received = handle.wait(api.wait_timeout())
+        received = handle.result(api.wait_timeout())
         for peer in self.neighbors:
             header, arrays = received[peer]
             if list(header.get("keys", ())) != keys or len(arrays) != len(keys):

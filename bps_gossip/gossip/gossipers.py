@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..compat import zip_exact
-from ..worker.handle import Handle
+from ..worker.futures import Future
 from .graphs import Graph, symmetric_mixing_is_doubly_stochastic
 from .mixing import UniformMixing
 
@@ -34,7 +34,7 @@ class PendingRound:
     """A round whose messages were sent and whose receipts may not be in yet."""
 
     rnd: int
-    handle: Handle | None  # None when the round has no in-peers
+    handle: Future | None  # None when the round has no in-peers
     sources: list[int]
 
 
@@ -81,7 +81,7 @@ class PushSum:
         """Wait for the round's messages and add them to ``x``; returns the new weight."""
         if pending.handle is None:
             return weight
-        received = pending.handle.wait(timeout)
+        received = pending.handle.result(timeout)
         for src in pending.sources:
             header, arrays = received[src]
             for key, array in zip_exact(header["keys"], arrays):
@@ -124,7 +124,7 @@ class PushPull:
         """Average x with what the neighbours sent."""
         if pending.handle is None:
             return weight
-        received = pending.handle.wait(timeout)
+        received = pending.handle.result(timeout)
         scale = 1.0 / (len(pending.sources) + 1)
         for src in pending.sources:
             header, arrays = received[src]

@@ -31,7 +31,7 @@ from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..transport import send_message
 from ..transport.security import JobKeys, make_socket
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
-from .handle import Handle
+from .futures import Future, complete, fail
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
@@ -50,7 +50,7 @@ class PeerWait:
     tag: str
     rnd: int
     sources: frozenset[int]
-    handle: Handle
+    handle: Future
     deadline: float
     stall_reported: bool = False
 
@@ -194,11 +194,11 @@ class PeerChannel:
             raise ProtocolError(f"gossip message from rank {src}: segment {name!r}: {exc}") from None
         return arrays
 
-    def expect(self, tag: str, rnd: int, sources: list[int], handle: Handle) -> None:
+    def expect(self, tag: str, rnd: int, sources: list[int], handle: Future) -> None:
         """Complete ``handle`` with {source: (header, arrays)} once every source has sent."""
         wait = PeerWait(tag, rnd, frozenset(sources), handle, time.monotonic() + self.timeout)
         if self.lost:  # a job that is not elastic cannot go on without a lost worker
-            handle.set_error(self._lost_error(wait))
+            fail(handle, self._lost_error(wait))
             return
         self.waits.append(wait)
         self._complete((tag, rnd))
@@ -210,7 +210,7 @@ class PeerChannel:
         for wait in list(self.waits):
             if (wait.tag, wait.rnd) == key and wait.sources <= box.keys():
                 self.waits.remove(wait)
-                wait.handle.set_result({src: self._claim(box, src) for src in wait.sources})
+                complete(wait.handle, {src: self._claim(box, src) for src in wait.sources})
         if not box:
             del self.inbox[key]
 
@@ -239,7 +239,7 @@ class PeerChannel:
 
     def _fail(self, wait: PeerWait, error: BaseException) -> None:
         self.waits.remove(wait)
-        wait.handle.set_error(error)
+        fail(wait.handle, error)
 
     def check_deadlines(self, now: float) -> None:
         """Fail waits whose peers are gone or silent for too long."""

@@ -1,0 +1,41 @@
+"""One push_pull in flight, as the engine's server links see it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from ..transport.shm import OwnedSegment
+from .futures import Future
+
+
+@dataclasses.dataclass(eq=False)
+class Operation:
+    """What to send, where the sum goes, and what is left (see worker.server_links)."""
+
+    handle: Future
+    name: str
+    key: int
+    seq: int
+    sig: dict[str, Any]
+    send: np.ndarray  # flat, contiguous, wire dtype
+    out: np.ndarray  # flat view of the result, wire dtype
+    result: Any  # what the handle returns
+    parts: list[tuple[int, int]]
+    priority: int
+    finish: Callable[[], None] | None = None  # run on the engine thread after the last partition
+    remaining: int = 0
+    failed: bool = False
+    deadline: float = 0.0
+    reqs: set[int] = dataclasses.field(default_factory=set)
+    segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
+    codecs: list[dict[str, Any]] | None = None  # compressed: each partition's codec, for the server
+    traced: bool = False  # BYTEPS_TRACE_ON and a traced step: stamps[part] is when its stage began
+    submitted: float = 0.0
+    stamps: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def servers(self, nservers: int) -> set[int]:
+        """The servers this operation's partitions go to ((key + partition) mod servers)."""
+        return {(self.key + index) % nservers for index in range(len(self.parts))}

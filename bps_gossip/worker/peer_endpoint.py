@@ -1,0 +1,129 @@
+"""The worker's endpoint for gossip: the ROUTER other workers send to, bound once for the
+whole job (its address is in every address book), and the channel of the current
+generation (:class:`~bps_gossip.worker.peers.PeerChannel`). Runs on the engine thread.
+
+A peer that already has the next generation's address book may gossip before this worker
+has it: such messages are kept (bounded) and handed to the new channel when the book
+arrives. Rounds of generations that ended are dropped; nobody waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from .. import fields
+from ..config import Config
+from ..errors import ProtocolError
+from ..transport import MAX_HEADER_BYTES, bind_random_port
+from ..transport.receive import MALFORMED, DropLog, drain
+from ..transport.security import make_socket
+from ..transport.shm import SegmentPool
+from .commands import PeerAck, PeerExpect, PeerSend
+from .peers import LEFT_GRACE, PeerChannel
+from .scheduler_link import Book
+
+MAX_EARLY = 1024  # peer messages of the next generation kept until its book arrives
+
+
+class PeerEndpoint:
+    """The bound peer socket and the generation's channel (see the module docstring)."""
+
+    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
+                 segments: SegmentPool | None) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.uid = uid
+        self.log = log
+        self.segments = segments
+        self.sock = make_socket(ctx, zmq.ROUTER, config.keys, serve=True)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + MAX_HEADER_BYTES)
+        self.address = bind_random_port(self.sock, config.bind_host, advertise=config.node_host)
+        self.channel: PeerChannel | None = None
+        self.generation = 0
+        self.next_generation = 0  # announced by the scheduler, book not here yet
+        self._early: list[tuple[bytes, dict[str, Any], list[zmq.Frame]]] = []
+        self._drops = DropLog(log, "peer message")
+        self._handlers = {"gossip": self._on_gossip, "gossip_ack": self._on_ack}
+
+    def new_generation(self, book: Book) -> None:
+        """Open the channel of ``book``'s generation and hand it what came early."""
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config.timeout, self.log,
+                                   book.generation, self.config.keys)
+        self.channel.pool = self.segments
+        self.generation = book.generation
+        early, self._early = self._early, []
+        for route, msg, frames in early:
+            try:
+                self._on_gossip(route, msg, frames)
+            except MALFORMED as exc:
+                self._drops.dropped(exc)
+
+    def drain(self) -> None:
+        """Handle waiting peer messages (bounded: servers and the inbox go on)."""
+        drain(self.sock, True, self._handlers, self._drops, 256)
+
+    def _on_gossip(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        generation = fields.integer(msg, "gen", 0, fields.MAX_INT, 0)
+        if generation > self.generation:  # the sender has its new book already
+            if generation > max(self.generation, self.next_generation) + 1 or len(self._early) >= MAX_EARLY:
+                raise ProtocolError(f"gossip for generation {generation} while this worker is in "
+                                    f"{self.generation}: dropped")
+            self._early.append((route, msg, frames))
+        elif generation == self.generation:
+            self.channel.on_message(route, msg, frames)
+
+    def _on_ack(self, route: bytes, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.generation:
+            self.channel.on_ack(route, msg)
+
+    # -- commands from the training thread -----------------------------------------
+    def send(self, command: PeerSend) -> None:
+        """Send a gossip message."""
+        try:
+            self.channel.send(command.dst, command.header, command.arrays, command.staged)
+        except ValueError as exc:
+            self.log.error("%s", exc)
+
+    def ack(self, command: PeerAck) -> None:
+        """Acknowledge a peer's shared-memory message."""
+        self.channel.ack(command.dst, command.segment)
+
+    def expect(self, command: PeerExpect) -> None:
+        """Wait for a round's messages."""
+        self.channel.expect(command.tag, command.rnd, command.sources, command.waiter)
+
+    # -- failures and leaving -------------------------------------------------------
+    def check_deadlines(self, now: float) -> None:
+        """Fail waits whose peers are gone or silent for too long."""
+        if self.channel is not None:
+            self.channel.check_deadlines(now)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every wait of the current channel."""
+        if self.channel is not None:
+            self.channel.fail_all(error)
+
+    def await_reads(self, scheduler_silent: bool) -> None:
+        """Before leaving, give peers on this host a moment to read the last gossip we left in
+        shared memory: unlinked before they map it, it would be lost (TCP messages linger)."""
+        deadline = time.monotonic() + LEFT_GRACE
+        while self.channel is not None and self.channel.unread() and not scheduler_silent:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.info("leaving with %d gossip message(s) not read by peers", self.channel.unread())
+                return
+            if self.sock.poll(int(left * 1000) + 1):
+                self.drain()
+
+    def close(self) -> None:
+        """Close the channel and the bound socket."""
+        if self.channel is not None:
+            self.channel.close()
+        self.sock.close(linger=0)

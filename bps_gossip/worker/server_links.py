@@ -1,0 +1,325 @@
+"""The worker's links to the servers: one DEALER per server, credit, dispatch, replies and
+deadlines. Runs on the engine thread (``stage`` excepted: the caller's thread).
+
+Tensors are split into partitions spread over the servers ((key + partition) mod servers)
+and sent in priority order (BytePS: larger priority first) with at most
+BYTEPS_SCHEDULING_CREDIT large partitions not yet acknowledged; each partition's sum is
+copied into the output as it arrives, and the operation's future completes when the last
+one is in. Servers acknowledge a large push on receipt, so credit measures data in
+transit, not rounds waiting for slower workers: two workers that enqueue tensors in
+different orders can never deadlock each other. Servers on this host get payloads through
+shared memory (``stage`` copies them in on the caller's thread).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from .. import fields
+from ..aggregation import SMALL_PUSH_BYTES
+from ..config import Config
+from ..errors import (
+    BpsGossipError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    TensorMismatchError,
+    WorkersChangedError,
+)
+from ..transport import send_message
+from ..transport.receive import DropLog, drain
+from ..transport.security import make_socket
+from ..transport.shm import SegmentPool
+from .futures import Future, complete, fail
+from .operation import Operation
+from .scheduler_link import Book
+from .trace import Tracer, now_us
+
+ERROR_KINDS: dict[str, type[BpsGossipError]] = {
+    "mismatch": TensorMismatchError,
+    "lost": PeerLostError,
+    "timeout": CommTimeoutError,
+    "protocol": ProtocolError,
+    "changed": WorkersChangedError,
+}
+DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
+
+
+class ServerLinks:
+    """Every connection to a server and the partitions in flight on them (module docstring)."""
+
+    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
+                 segments: SegmentPool | None, tracer: Tracer | None) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.uid = uid
+        self.log = log
+        self.segments = segments
+        self.tracer = tracer
+        self.sockets: list[zmq.Socket] = []
+        self.addresses: list[str] = []
+        self.shm_servers: frozenset[int] = frozenset()  # servers on this host (replaced, never mutated)
+        self.rank = -1
+        self.generation = 0
+        self._drops = DropLog(log, "message from a server")
+        self._handlers: list[dict[str, Callable[..., None]]] = []
+        self._order = itertools.count()
+        self._req_ids = itertools.count(1)
+        self._heap: list[tuple[int, int, Operation, int]] = []
+        self._reqs: dict[int, tuple[Operation, int]] = {}
+        self._unacked: dict[int, int] = {}  # req -> server index
+        self.pending: set[Operation] = set()
+        self._stats: dict[int, tuple[Future, list[Any]]] = {}
+        self._lost: dict[int, str] = {}
+        self._heard: dict[int, float] = {}  # server index -> when it last sent anything
+
+    # -- connections ----------------------------------------------------------------
+    def connect(self, book: Book) -> bool:
+        """Take a new address book; reconnect if its servers differ. True if the sockets changed."""
+        self.rank, self.generation = book.rank, book.generation
+        self._lost.clear()
+        self._heard.clear()
+        if self.addresses == book.servers:
+            return False
+        self.close()
+        here = f"tcp://{self.config.node_host}"
+        self.shm_servers = frozenset(index for index, addr in enumerate(book.servers)
+                                     if self.segments is not None and addr.rsplit(":", 1)[0] == here)
+        for index, addr in enumerate(book.servers):
+            sock = make_socket(self.ctx, zmq.DEALER, self.config.keys, serve=False)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.uid)
+            # No high-water mark: a full queue would block the engine thread (no heartbeats, no
+            # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(addr)
+            self.sockets.append(sock)
+            self._handlers.append(self._table(index))
+        self.addresses = list(book.servers)
+        return True
+
+    def _table(self, index: int) -> dict[str, Callable[..., None]]:
+        def reply(_route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+            self._heard[index] = time.monotonic()
+            self._on_reply(index, msg, frames)
+
+        def stats(_route: Any, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+            self._heard[index] = time.monotonic()
+            self._on_stats(index, msg)
+
+        return {"ack": reply, "result": reply, "error": reply, "stats": stats}
+
+    def drain(self, events: dict[Any, int]) -> None:
+        """Read the replies of every server that has some (bounded per server)."""
+        for index, sock in enumerate(self.sockets):
+            if sock in events:
+                drain(sock, False, self._handlers[index], self._drops, 1024)
+
+    def close(self) -> None:
+        """Close every server socket."""
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.sockets, self._handlers, self.addresses = [], [], []
+        self.shm_servers = frozenset()
+
+    # -- sending --------------------------------------------------------------------
+    def stage(self, op: Operation) -> None:
+        """Copy ``op``'s payload into shared memory if any of its partitions goes to a server
+        on this host (runs in the caller's thread, so the engine thread stays free)."""
+        local, nservers = self.shm_servers, len(self.addresses)
+        if not local or op.codecs is not None or not op.servers(nservers) & local:
+            return  # compressed payloads go as frames
+        op.segment = self.segments.acquire(op.name, op.send.nbytes)
+        if op.send.size:
+            op.segment.view(op.send.dtype, op.send.size)[:] = op.send
+
+    def enqueue(self, op: Operation) -> None:
+        """Queue every partition of ``op`` by priority."""
+        op.remaining = len(op.parts)
+        if op.traced:
+            op.stamps = dict.fromkeys(range(len(op.parts)), now_us())
+        op.deadline = time.monotonic() + self.op_timeout()
+        self.pending.add(op)
+        for index in range(len(op.parts)):
+            heapq.heappush(self._heap, (-op.priority, next(self._order), op, index))
+
+    def op_timeout(self) -> float:
+        """How long an operation may wait for a server that says nothing at all. Servers
+        report rounds that stay incomplete after BPS_GOSSIP_TIMEOUT with the missing ranks;
+        this backstop only fires when a server itself does not answer."""
+        return self.config.timeout + 2 * self.config.heartbeat_interval + 1.0
+
+    def dispatch(self) -> bool:
+        """Send partitions in priority order while credit lasts; True if some are still ready.
+
+        Small pushes use no credit, so a pass sends at most DISPATCH_BATCH of them: the loop
+        in between reads replies and keeps heart-beating however many partitions are queued.
+        """
+        credit = self.config.scheduling_credit
+        for _ in range(DISPATCH_BATCH):
+            if not self._heap or len(self._unacked) >= credit:
+                return False
+            _, _, op, index = heapq.heappop(self._heap)
+            if not op.failed:
+                self._send(op, index)
+        return bool(self._heap) and len(self._unacked) < credit
+
+    def _send(self, op: Operation, index: int) -> None:
+        server = (op.key + index) % len(self.sockets)
+        if server in self._lost:
+            self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {self._lost[server]}"))
+            return
+        offset, count = op.parts[index]
+        req = next(self._req_ids)
+        self._reqs[req] = (op, index)
+        # Small partitions neither use credit nor get an acknowledgement: credit limits
+        # bytes in transit, and one message less per push is most of a small push_pull.
+        small = count * op.send.dtype.itemsize <= SMALL_PUSH_BYTES
+        if not small:
+            self._unacked[req] = server
+        op.reqs.add(req)
+        if op.traced:
+            sent = now_us()
+            self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
+            op.stamps[index] = sent
+        header = {
+            "op": "push", "req": req, "key": op.key, "name": op.name, "part": index, "seq": op.seq,
+            "count": count, "wire": op.send.dtype.str, "dtype": op.sig["dtype"], "shape": op.sig["shape"],
+            "kind": op.sig["kind"], "ack": not small, "gen": self.generation,
+        }
+        if op.codecs is not None:
+            header["codec"] = op.codecs[index]
+        if op.segment is not None and server in self.shm_servers:
+            header["shm"] = op.segment.name
+            header["offset"] = offset * op.send.dtype.itemsize
+            send_message(self.sockets[server], header)
+        else:
+            send_message(self.sockets[server], header, (op.send[offset:offset + count],))
+
+    def stats(self, future: Future) -> None:
+        """Ask every server for its counters; ``future`` completes with the list of replies."""
+        req = next(self._req_ids)
+        self._stats[req] = (future, [None] * len(self.sockets))
+        for sock in self.sockets:
+            send_message(sock, {"op": "stats", "req": req})
+
+    # -- replies --------------------------------------------------------------------
+    def _on_reply(self, index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        req = fields.integer(msg, "req", 0, fields.MAX_INT, 0)
+        self._unacked.pop(req, None)  # a result or an error also acknowledges the push
+        if msg["op"] == "ack":
+            return
+        entry = self._reqs.pop(req, None)
+        if entry is None:
+            return  # a reply for an operation that already failed
+        op, part = entry
+        op.reqs.discard(req)
+        if msg["op"] == "error":
+            kind = ERROR_KINDS.get(msg.get("kind"), BpsGossipError)
+            self.fail_op(op, kind(f"{msg.get('why')} [on rank {self.rank}]"))
+            return
+        self._store(op, part, msg, frames)
+
+    def _store(self, op: Operation, part: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        offset, count = op.parts[part]
+        if op.traced:
+            self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
+        if count and msg.get("shm"):
+            op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
+        elif count:
+            op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
+        op.remaining -= 1
+        op.deadline = time.monotonic() + self.op_timeout()
+        if op.remaining == 0:
+            self._finish(op)
+
+    def _finish(self, op: Operation) -> None:
+        self.pending.discard(op)
+        if op.segment is not None:
+            self.segments.release(op.name, op.segment)
+        try:
+            if op.finish is not None:
+                op.finish()
+        except Exception as exc:  # noqa: BLE001 - reported through the future
+            fail(op.handle, exc)
+            return
+        if op.traced:
+            self.tracer.event(op.name, "total", "total", op.submitted, now_us())
+            self.tracer.finished(op.seq)
+        complete(op.handle, op.result)
+
+    def _on_stats(self, index: int, msg: dict[str, Any]) -> None:
+        entry = self._stats.get(fields.integer(msg, "req", 0, fields.MAX_INT, 0))
+        if entry is None:
+            return
+        future, replies = entry
+        replies[index] = {k: v for k, v in msg.items() if k not in ("op", "req")}
+        if all(r is not None for r in replies):
+            del self._stats[int(msg["req"])]
+            complete(future, replies)
+
+    # -- failures -------------------------------------------------------------------
+    def fail_op(self, op: Operation, error: BaseException) -> None:
+        """Fail one operation; its shared-memory segment is never reused (a late write)."""
+        op.failed = True
+        self.pending.discard(op)
+        if op.segment is not None:
+            self.segments.release(op.name, op.segment, reusable=False)
+            op.segment = None
+        for req in op.reqs:
+            self._reqs.pop(req, None)
+        op.reqs.clear()
+        fail(op.handle, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every operation in flight or queued, and every stats request."""
+        for op in list(self.pending):
+            self.fail_op(op, error)
+        self._heap.clear()
+        self._unacked.clear()
+        self._reqs.clear()
+        self.fail_stats(error)
+
+    def fail_stats(self, error: BaseException) -> None:
+        """Fail the stats requests not yet answered."""
+        for future, _ in self._stats.values():
+            fail(future, error)
+        self._stats.clear()
+
+    def server_gone(self, index: int, why: str) -> None:
+        """Server ``index`` was lost or left: fail what needs it, send it nothing more."""
+        self._lost[index] = why
+        for req, server in list(self._unacked.items()):
+            if server == index:
+                del self._unacked[req]
+        nservers = len(self.sockets)
+        for op in list(self.pending):
+            if index in op.servers(nservers):
+                self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {why}"))
+
+    def check_deadlines(self, now: float) -> None:
+        """Fail operations whose servers said nothing for too long."""
+        limit = self.op_timeout()
+        for op in list(self.pending):
+            if now <= op.deadline:
+                continue
+            servers = sorted({(op.key + self._reqs[r][1]) % len(self.sockets) for r in op.reqs if r in self._reqs})
+            # A server that keeps answering is busy (a backlog of partitions), not gone:
+            # wait while the servers this op waits on (any, if it is still queued) speak.
+            watched = servers or range(len(self.sockets))
+            if any(now - self._heard.get(s, -math.inf) < limit for s in watched):
+                continue
+            addrs = [self.addresses[s] for s in servers]
+            waiting = f"servers {servers} ({', '.join(addrs)})" if servers else "its turn to be sent"
+            self.fail_op(op, CommTimeoutError(
+                f"push_pull {op.name!r} on rank {self.rank}: no answer from {waiting} "
+                f"within {limit:.1f} s (BPS_GOSSIP_TIMEOUT={self.config.timeout})"))
