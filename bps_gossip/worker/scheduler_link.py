@@ -92,9 +92,9 @@ class SchedulerLink:
             "hb_ack": self._on_nothing, "wait": self._on_nothing, "bye": self._on_nothing,
             "terminate": self._on_nothing,
             "barrier_done": self._on_barrier_done, "barrier_failed": self._on_barrier_failed,
-            "commit_done": self._on_commit_done, "node_lost": self._on_node_gone, "node_left": self._on_node_gone,
+            "commit_done": self._on_commit_done, "node_lost": self._on_node_lost, "node_left": self._on_node_left,
             "changed": self._on_changed, "book": self._on_book, "refused": self._on_refused,
-            "job_failed": self._on_job_end, "job_over": self._on_job_end,
+            "job_failed": self._on_job_failed, "job_over": self._on_job_over,
         }
 
     # -- registration ---------------------------------------------------------------
@@ -253,9 +253,14 @@ class SchedulerLink:
         self._on_nothing(route, msg, frames)
         complete(self._commits.pop(fields.integer(msg, "seq"), None), fields.flag(msg, "changed"))
 
-    def _on_node_gone(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        self._on_nothing(route, msg, frames)
-        lost = msg["op"] == "node_lost"
+    def _on_node_lost(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        self._node_gone(msg, lost=True)
+
+    def _on_node_left(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        self._node_gone(msg, lost=False)
+
+    def _node_gone(self, msg: dict[str, Any], lost: bool) -> None:
+        self.last_heard = time.monotonic()
         how = "was lost" if lost else "left the job"
         why = f"{msg.get('role')} rank {msg.get('rank')} (pid {msg.get('pid')} on {msg.get('host')}) {how}: {msg.get('why')}"
         # A graceful leave is normal at the end of a job; only a loss deserves a warning.
@@ -277,11 +282,10 @@ class SchedulerLink:
         self._on_nothing(route, msg, frames)
         self.listener.on_broken(PeerLostError(f"the scheduler no longer knows this worker: {msg.get('why')}"))
 
-    def _on_job_end(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _on_job_failed(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         self._on_nothing(route, msg, frames)
-        if msg["op"] == "job_failed":
-            error: BpsGossipError = JobFailedError(
-                f"the elastic job failed: {msg.get('why')} [on rank {self._rank()}]")
-        else:
-            error = JobEndedError(f"the job finished before this worker got its state ({msg.get('why')})")
-        self.listener.on_broken(error)
+        self.listener.on_broken(JobFailedError(f"the elastic job failed: {msg.get('why')} [on rank {self._rank()}]"))
+
+    def _on_job_over(self, route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        self._on_nothing(route, msg, frames)
+        self.listener.on_broken(JobEndedError(f"the job finished before this worker got its state ({msg.get('why')})"))

@@ -108,15 +108,14 @@ class ServerLinks:
         return True
 
     def _table(self, index: int) -> dict[str, Callable[..., None]]:
-        def reply(_route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-            self._heard[index] = time.monotonic()
-            self._on_reply(index, msg, frames)
+        def heard(handler: Callable[..., None]) -> Callable[..., None]:
+            def handle(_route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+                self._heard[index] = time.monotonic()
+                handler(index, msg, frames)
+            return handle
 
-        def stats(_route: Any, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-            self._heard[index] = time.monotonic()
-            self._on_stats(index, msg)
-
-        return {"ack": reply, "result": reply, "error": reply, "stats": stats}
+        return {"ack": heard(self._on_ack), "result": heard(self._on_result), "error": heard(self._on_error),
+                "stats": heard(self._on_stats)}
 
     def drain(self, events: dict[Any, int]) -> None:
         """Read the replies of every server that has some (bounded per server)."""
@@ -213,21 +212,29 @@ class ServerLinks:
             send_message(sock, {"op": "stats", "req": req})
 
     # -- replies --------------------------------------------------------------------
-    def _on_reply(self, index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _take(self, msg: dict[str, Any]) -> tuple[Operation, int] | None:
+        """The operation and partition a reply is for (None if it already failed); a result or an
+        error also acknowledges the push."""
         req = fields.integer(msg, "req", 0, fields.MAX_INT, 0)
-        self._unacked.pop(req, None)  # a result or an error also acknowledges the push
-        if msg["op"] == "ack":
-            return
+        self._unacked.pop(req, None)
         entry = self._reqs.pop(req, None)
-        if entry is None:
-            return  # a reply for an operation that already failed
-        op, part = entry
-        op.reqs.discard(req)
-        if msg["op"] == "error":
+        if entry is not None:
+            entry[0].reqs.discard(req)
+        return entry
+
+    def _on_ack(self, _index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        self._unacked.pop(fields.integer(msg, "req", 0, fields.MAX_INT, 0), None)
+
+    def _on_result(self, _index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+        entry = self._take(msg)
+        if entry is not None:
+            self._store(entry[0], entry[1], msg, frames)
+
+    def _on_error(self, _index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
+        entry = self._take(msg)
+        if entry is not None:
             kind = ERROR_KINDS.get(msg.get("kind"), BpsGossipError)
-            self.fail_op(op, kind(f"{msg.get('why')} [on rank {self.rank}]"))
-            return
-        self._store(op, part, msg, frames)
+            self.fail_op(entry[0], kind(f"{msg.get('why')} [on rank {self.rank}]"))
 
     def _store(self, op: Operation, part: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
         offset, count = op.parts[part]
@@ -257,7 +264,7 @@ class ServerLinks:
             self.tracer.finished(op.seq)
         complete(op.handle, op.result)
 
-    def _on_stats(self, index: int, msg: dict[str, Any]) -> None:
+    def _on_stats(self, index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
         entry = self._stats.get(fields.integer(msg, "req", 0, fields.MAX_INT, 0))
         if entry is None:
             return
