@@ -102,3 +102,17 @@ def test_scripts_import_no_cycle():
             graph[name] |= targets & set(scripts)
     assert _import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself
     assert _import_cycle(graph) is None, f"import cycle among scripts/: {_import_cycle(graph)}"
+
+
+def test_launch_package_imports_no_cycle():
+    """Within bps_gossip/launch/ the modules import each other without a cycle (cli at the top,
+    supervisor and hosts at the bottom)."""
+    package = ROOT / "bps_gossip" / "launch"
+    modules = {p.stem for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name in modules:
+        for node in _imports(package / f"{name}.py"):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = {node.module} if node.module else {alias.name for alias in node.names}
+                graph[name] |= targets & modules
+    assert _import_cycle(graph) is None, f"import cycle in bps_gossip/launch: {_import_cycle(graph)}"

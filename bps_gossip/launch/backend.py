@@ -85,7 +85,6 @@ class Backend(abc.ABC):
     processes that run on this machine.
     """
 
-    name: ClassVar[str] = ""
     fail_fast: ClassVar[bool] = True  # the first failure stops every process
     # How long the scheduler and servers get to exit after the workers (None: no limit).
     services_seconds: ClassVar[float | None] = SERVICE_EXIT_SECONDS

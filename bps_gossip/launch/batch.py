@@ -357,7 +357,6 @@ class BatchBackend(Backend):
     scheduler and server serve the other tasks' workers too: they get as long as they take
     after this task's worker (they exit once every worker of the job has shut down)."""
 
-    name = "batch"
     services_seconds = None
 
     def __init__(self, place: Layout, env: Mapping[str, str]) -> None:

@@ -21,7 +21,6 @@ from .backend import Backend, Process, check_command, note
 class BytepsBackend(Backend):
     """This machine's share of a job laid out by the DMLC_* variables (the fallback)."""
 
-    name = "byteps"
     fail_fast = False  # surviving workers see the loss themselves (and elastic jobs go on)
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:

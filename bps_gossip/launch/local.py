@@ -47,8 +47,6 @@ def make_secret_file(port: int) -> str:
 class LocalBackend(Backend):
     """Every process of the job on 127.0.0.1 (``-np``)."""
 
-    name = "local"
-
     def __init__(self, num_proc: int, num_servers: int = 1, elastic: ElasticOptions | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         self.num_proc = num_proc

@@ -157,8 +157,6 @@ class SshBackend(Backend):
     """Every process of the job on the placements' hosts, each through its own ssh connection
     to :mod:`.remote` (closing the connection stops the process)."""
 
-    name = "ssh"
-
     def __init__(self, placements: Sequence[Placement], num_servers: int | None = None,
                  forward: Sequence[str] = (), ssh: SshOptions | None = None, python: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
