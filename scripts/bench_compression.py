@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import netns  # noqa: E402
-from netns_cluster import build_network, host_names, run_job  # noqa: E402
+from netns_job import build_network, host_names, run_job  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
 SETTINGS = [

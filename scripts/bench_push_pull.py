@@ -307,7 +307,7 @@ def build_network(args: argparse.Namespace) -> Any:
     if args.netns is None:
         return None
     import netns
-    from netns_cluster import host_names, parse_slow
+    from netns_job import host_names, parse_slow
 
     netns.check_prerequisites()
     hosts = host_names(max(s.workers for s in args.shapes), max(s.servers for s in args.shapes))

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bps_gossip.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.supervisor import kill_groups, start_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "gluon_elastic_job.py"
@@ -105,7 +105,7 @@ def run_trial(trial: Trial, timeout: float = 240, env: Mapping[str, str] | None 
     child_env.update(TRIAL_ENV)
     child_env.update({"MODE": trial.mode, f"{trial.fault}_RANK": str(trial.rank), f"{trial.fault}_STEP": str(trial.step),
                       "STALL_SECONDS": "60"})
-    argv = [python, "-m", "bps_gossip.launcher", "-np", str(WORKERS), "--min-np", "2", "--max-np", str(WORKERS),
+    argv = [python, "-m", "bps_gossip.launch", "-np", str(WORKERS), "--min-np", "2", "--max-np", str(WORKERS),
             python, str(JOB)]
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as out:

@@ -8,7 +8,7 @@ and no traffic can leave the machine. Every namespace's name starts with ``PREFI
 and the creating process's pid, so ``cleanup_leftovers`` can find what a killed run
 left behind without touching a live run's namespaces.
 
-Needs root, ``ip`` (iproute2) and ``tc``. Used by scripts/netns_cluster.py.
+Needs root, ``ip`` (iproute2) and ``tc``. Used by scripts/netns_job.py.
 """
 
 from __future__ import annotations

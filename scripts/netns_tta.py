@@ -1,5 +1,6 @@
 """Time to accuracy on emulated hosts: examples/train_digits.py by allreduce and by gossip on
-one network (scripts/netns_cluster.py --time-to-accuracy builds it and calls ``experiment``).
+one network (scripts/netns_cluster.py --time-to-accuracy builds it and calls ``experiment``;
+the jobs are scripts/netns_job.py's).
 
 Every rank appends one JSON line per epoch (wall-clock time, test accuracy; --log-json).
 An epoch's accuracy is the mean over ranks (gossip's models differ; allreduce's agree),
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import netns
 from bench_common import format_table
-from netns_cluster import run_job
+from netns_job import run_job
 
 from bps_gossip.compat import zip_exact
 

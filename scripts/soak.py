@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from bps_gossip.compat import zip_exact
-from bps_gossip.launcher import free_port
-from bps_gossip.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.local import free_port
+from bps_gossip.launch.supervisor import kill_groups, start_in_session
 
 WORKER = '''
 import json, math, os, random, sys, time

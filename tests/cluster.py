@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bps_gossip.launcher import free_port
-from bps_gossip.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.local import free_port
+from bps_gossip.launch.supervisor import kill_groups, start_in_session
 from bps_gossip.transport import shm
 
 FAST_ENV = {

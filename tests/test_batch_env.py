@@ -1,13 +1,13 @@
-"""bps_gossip.batch_env on its own: Slurm's host lists and tasks per node, the processes and
+"""bps_gossip.launch.batch on its own: Slurm's host lists and tasks per node, the processes and
 environment each task of srun or mpirun derives, user overrides, and clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from bps_gossip import batch_env
 from bps_gossip.config import load_config
 from bps_gossip.errors import ConfigError
+from bps_gossip.launch import batch
 
 
 @pytest.mark.parametrize("text,hosts", [
@@ -21,7 +21,7 @@ from bps_gossip.errors import ConfigError
     (" x[1 , 3] ", ["x1", "x3"]),
 ])
 def test_hostlist(text, hosts):
-    assert batch_env.parse_hostlist(text) == hosts
+    assert batch.parse_hostlist(text) == hosts
 
 
 @pytest.mark.parametrize("text,why", [
@@ -31,35 +31,35 @@ def test_hostlist(text, hosts):
 ])
 def test_hostlist_errors(text, why):
     with pytest.raises(ConfigError, match=why):
-        batch_env.parse_hostlist(text)
+        batch.parse_hostlist(text)
 
 
 @pytest.mark.parametrize("text,counts", [
     ("3", [3]), ("2(x3),1", [2, 2, 2, 1]), ("1,2(x2)", [1, 2, 2]), (" 4(x1) ", [4]),
 ])
 def test_tasks_per_node(text, counts):
-    assert batch_env.parse_tasks_per_node(text) == counts
+    assert batch.parse_tasks_per_node(text) == counts
 
 
 @pytest.mark.parametrize("text", ["", "0", "2(x0)", "2x3", "a", "2(x3", "1,,2"])
 def test_tasks_per_node_errors(text):
     with pytest.raises(ConfigError, match="N or N\\(xM\\)"):
-        batch_env.parse_tasks_per_node(text)
+        batch.parse_tasks_per_node(text)
 
 
 def test_ports():
-    assert batch_env.slurm_port(1, 0) == 20008
-    assert batch_env.slurm_port(1, 1) == 20009
-    ports = {batch_env.slurm_port(job, step) for job in range(1000, 2596) for step in range(8)}
+    assert batch.slurm_port(1, 0) == 20008
+    assert batch.slurm_port(1, 1) == 20009
+    ports = {batch.slurm_port(job, step) for job in range(1000, 2596) for step in range(8)}
     assert len(ports) == 1596 * 8 and min(ports) >= 20000 and max(ports) < 32768
-    assert 20000 <= batch_env.text_port("1563885569") < 32768
-    assert batch_env.text_port("a") == batch_env.text_port("a") != batch_env.text_port("b")
+    assert 20000 <= batch.text_port("1563885569") < 32768
+    assert batch.text_port("a") == batch.text_port("a") != batch.text_port("b")
 
 
 def slurm_env(procid: int, nodes: str = "node[1-3]", per_node: str = "2(x2),1", **extra: str) -> dict[str, str]:
     """The variables srun gives task ``procid`` of a block-distributed step."""
-    counts = batch_env.parse_tasks_per_node(per_node)
-    names = batch_env.parse_hostlist(nodes)
+    counts = batch.parse_tasks_per_node(per_node)
+    names = batch.parse_hostlist(nodes)
     node, first = 0, 0
     while procid >= first + counts[node]:
         first += counts[node]
@@ -71,14 +71,14 @@ def slurm_env(procid: int, nodes: str = "node[1-3]", per_node: str = "2(x2),1", 
     return env
 
 
-def roles(processes: list[batch_env.Process]) -> list[str]:
+def roles(processes: list[batch.Process]) -> list[str]:
     return [p.label for p in processes]
 
 
-def plan_of(env: dict[str, str]) -> list[batch_env.Process]:
-    place = batch_env.layout(env)
+def plan_of(env: dict[str, str]) -> list[batch.Process]:
+    place = batch.layout(env)
     assert place is not None
-    return batch_env.plan(env, place, "thishost")
+    return batch.plan(env, place, "thishost")
 
 
 def test_slurm_three_nodes():
@@ -86,7 +86,7 @@ def test_slurm_three_nodes():
     assert [roles(p) for p in plans] == [
         ["scheduler", "server0", "worker0"], ["worker1"], ["server1", "worker2"], ["worker3"],
         ["server2", "worker4"]]
-    port = str(batch_env.slurm_port(4242, 1))
+    port = str(batch.slurm_port(4242, 1))
     for task, processes in enumerate(plans):
         worker = processes[-1]
         node = [0, 0, 1, 1, 2][task]
@@ -147,15 +147,15 @@ def test_missing_variable_is_named():
 
 
 def test_detection():
-    assert batch_env.layout({"PATH": "/bin"}) is None
+    assert batch.layout({"PATH": "/bin"}) is None
     batch_script = slurm_env(0)  # a batch script itself is no srun step
     del batch_script["SLURM_STEP_ID"]
-    assert batch_env.detect(batch_script) is None
-    assert batch_env.detect(slurm_env(0, SLURM_STEP_ID="4294967294")) is None  # the batch step's id
-    assert batch_env.detect(slurm_env(0)) == "slurm"
-    assert batch_env.detect({**slurm_env(0), **openmpi_env(0, 2, 0, 2)}) == "openmpi"  # mpirun in a job
-    assert batch_env.detect({**slurm_env(0), "PMI_RANK": "0"}) == "slurm"  # srun's PMI, not Hydra
-    assert batch_env.detect({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}) == "mpich"
+    assert batch.detect(batch_script) is None
+    assert batch.detect(slurm_env(0, SLURM_STEP_ID="4294967294")) is None  # the batch step's id
+    assert batch.detect(slurm_env(0)) == "slurm"
+    assert batch.detect({**slurm_env(0), **openmpi_env(0, 2, 0, 2)}) == "openmpi"  # mpirun in a job
+    assert batch.detect({**slurm_env(0), "PMI_RANK": "0"}) == "slurm"  # srun's PMI, not Hydra
+    assert batch.detect({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}) == "mpich"
 
 
 def openmpi_env(rank: int, size: int, local_rank: int, local_size: int, **extra: str) -> dict[str, str]:
@@ -172,13 +172,13 @@ def test_openmpi_one_host():
     assert [roles(p) for p in plans] == [["scheduler", "server0", "worker0"], ["worker1"], ["worker2"]]
     worker = plans[2][-1]
     assert worker.env["DMLC_PS_ROOT_URI"] == worker.env["DMLC_NODE_HOST"] == "127.0.0.1"
-    assert worker.env["DMLC_PS_ROOT_PORT"] == str(batch_env.text_port("1563885569"))
+    assert worker.env["DMLC_PS_ROOT_PORT"] == str(batch.text_port("1563885569"))
     assert (worker.env["DMLC_NUM_WORKER"], worker.env["DMLC_WORKER_ID"], worker.env["BYTEPS_LOCAL_SIZE"]) == \
         ("1", "0", "3")
     assert worker.prefix == "[2@thishost] "
     namespace_only = openmpi_env(0, 1, 0, 1, PMIX_NAMESPACE="prterun-vm-1234@1")
     del namespace_only["OMPI_MCA_ess_base_jobid"]  # Open MPI 5 exports only the PMIx namespace
-    assert plan_of(namespace_only)[-1].env["DMLC_PS_ROOT_PORT"] == str(batch_env.text_port("prterun-vm-1234@1"))
+    assert plan_of(namespace_only)[-1].env["DMLC_PS_ROOT_PORT"] == str(batch.text_port("prterun-vm-1234@1"))
 
 
 def test_openmpi_several_hosts_needs_the_root_uri():
@@ -216,9 +216,9 @@ def test_mpich_needs_a_port():
 
 def test_describe():
     env = slurm_env(0)
-    place = batch_env.layout(env)
-    text = batch_env.describe(place, batch_env.plan(env, place), env)
+    place = batch.layout(env)
+    text = batch.describe(place, batch.plan(env, place), env)
     assert text == ("slurm task 0 of 5: 3 node(s), 3 server(s), scheduler at node1:28401 "
                     "(port from SLURM_JOB_ID=4242 and SLURM_STEP_ID=1)")
     env["DMLC_PS_ROOT_PORT"] = "31000"
-    assert batch_env.describe(place, batch_env.plan(env, place), env).endswith("scheduler at node1:31000")
+    assert batch.describe(place, batch.plan(env, place), env).endswith("scheduler at node1:31000")

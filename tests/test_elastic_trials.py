@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import elastic_trials  # noqa: E402
 
-from bps_gossip.supervisor import kill_groups  # noqa: E402
+from bps_gossip.launch.supervisor import kill_groups  # noqa: E402
 
 # (mode, fault, rank, step): early, mid-epoch, the epoch's last commit, the job's last steps.
 TRIALS = [
@@ -47,7 +47,7 @@ def test_joiner_arriving_as_the_job_ends_exits_zero(when):
     env.update(elastic_trials.TRIAL_ENV)
     env.update({"MODE": "allreduce", "STEP_SLEEP": "0", "LAST_STEPS_SLEEP": "1.5", "AFTER_TRAINING_SLEEP": "6"})
     job = elastic_trials.JOB
-    launch = [sys.executable, "-m", "bps_gossip.launcher"]
+    launch = [sys.executable, "-m", "bps_gossip.launch"]
     main = subprocess.Popen([*launch, "-np", "2", "--min-np", "2", "--max-np", "3", sys.executable, str(job)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

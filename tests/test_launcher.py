@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from cluster import FAST_ENV, free_port
 
-from bps_gossip import launcher, supervisor
-from bps_gossip.supervisor import kill_groups
+from bps_gossip.launch import cli, supervisor
+from bps_gossip.launch.supervisor import kill_groups
 
-LAUNCH = [sys.executable, "-m", "bps_gossip.launcher"]
+LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 
 SUM_SCRIPT = """
 import os, numpy as np, bps_gossip as bps
@@ -300,7 +300,7 @@ def test_bad_environment_is_a_clear_error(job, env, args, variable):
 
 def test_help_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as stop:
-        launcher.main(["--help"])
+        cli.main(["--help"])
     assert stop.value.code == 0
     text = capsys.readouterr().out
     for word in ("-np", "--num-servers", "DMLC_ROLE", "BYTEPS_LOCAL_SIZE", "Exit status"):

@@ -154,7 +154,7 @@ def mpirun_argv(count: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_real_mpirun(job):
     check = subprocess.run(mpirun_argv(1) + [sys.executable, "-c", (
-        "import os; from bps_gossip import batch_env; p = batch_env.layout(os.environ); "
+        "import os; from bps_gossip.launch import batch; p = batch.layout(os.environ); "
         "print('LAYOUT', p.manager, p.size, p.root_port is not None)")],
         env=job.env, capture_output=True, text=True, timeout=30)
     if "LAYOUT" not in check.stdout:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cluster import FAST_ENV
 
-from bps_gossip import hosts as hosts_mod
-from bps_gossip import launch_ssh, launcher
 from bps_gossip.errors import ConfigError
+from bps_gossip.launch import cli, local, ssh
+from bps_gossip.launch import hosts as hosts_mod
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -36,7 +36,7 @@ try:
 except netns.NetnsError as exc:
     SKIP_WHY = f"ssh hosts unavailable: {exc}"
 needs_hosts = pytest.mark.skipif(bool(SKIP_WHY), reason=SKIP_WHY or "-")
-LAUNCH = [sys.executable, "-m", "bps_gossip.launcher"]
+LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 
 # rank (size-1) dies by SIGKILL after its first push_pull when DIE is set; the others go on.
 JOB = """
@@ -154,7 +154,7 @@ def test_ctrl_c_stops_every_host(ssh_hosts, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_unreachable_host_is_named_before_anything_starts(tmp_path):
-    closed = launcher.free_port()  # nothing listens there: ssh is refused at once
+    closed = local.free_port()  # nothing listens there: ssh is refused at once
     start = time.monotonic()
     done = subprocess.run([*LAUNCH, "-H", "127.0.0.1:2", "--ssh-port", str(closed), sys.executable, "job.py"],
                           capture_output=True, text=True, timeout=50, env=_env(), cwd=tmp_path)
@@ -197,13 +197,13 @@ def test_bad_hostfiles_and_placements_are_refused(tmp_path):
 
 def test_forwarded_environment_and_plan():
     env = {"BPS_GOSSIP_TIMEOUT": "5", "BPS_GOSSIP_SECRET": "s", "DMLC_ROLE": "worker", "HOME": "/root", "X": "1"}
-    assert launch_ssh.forwarded_env(env, ["X", "Y=2"]) == {"BPS_GOSSIP_TIMEOUT": "5", "X": "1", "Y": "2"}
+    assert ssh.forwarded_env(env, ["X", "Y=2"]) == {"BPS_GOSSIP_TIMEOUT": "5", "X": "1", "Y": "2"}
     with pytest.raises(ConfigError, match="-x NOPE: NOPE is not set here"):
-        launch_ssh.forwarded_env(env, ["NOPE"])
+        ssh.forwarded_env(env, ["NOPE"])
     with pytest.raises(ConfigError, match="not an environment variable name"):
-        launch_ssh.forwarded_env(env, ["A-B"])
+        ssh.forwarded_env(env, ["A-B"])
     placements = hosts_mod.place_workers(hosts_mod.parse_hosts("u@h1:2,h2:1"), None)
-    plan = launch_ssh.plan(placements, None, 9000, {})
+    plan = ssh.plan(placements, None, 9000, {})
     assert [(p.role, p.host.target, p.prefix) for p in plan] == [
         ("scheduler", "u@h1", "[scheduler@h1] "), ("server", "u@h1", "[server0@h1] "), ("server", "h2", "[server1@h2] "),
         ("worker", "u@h1", "[0@h1] "), ("worker", "u@h1", "[1@h1] "), ("worker", "h2", "[2@h2] ")]
@@ -214,16 +214,16 @@ def test_forwarded_environment_and_plan():
 
 
 def test_launcher_refuses_mixed_options(capsys):
-    assert launcher.main(["-H", "a:1", "--hostfile", "f", "true"]) == 2
+    assert cli.main(["-H", "a:1", "--hostfile", "f", "true"]) == 2
     assert "not both" in capsys.readouterr().err
-    assert launcher.main(["-H", "a:1", "--min-np", "1", "true"]) == 2
+    assert cli.main(["-H", "a:1", "--min-np", "1", "true"]) == 2
     assert "elastic jobs" in capsys.readouterr().err
-    assert launcher.main(["-x", "A", "-np", "1", "true"]) == 2
+    assert cli.main(["-x", "A", "-np", "1", "true"]) == 2
     assert "need -H or --hostfile" in capsys.readouterr().err
 
 
 def _remote(spec: bytes) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "bps_gossip.remote"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "bps_gossip.launch.remote"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None
     proc.stdin.write(spec)

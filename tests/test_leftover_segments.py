@@ -2,7 +2,7 @@
 unlinks them for it by default (they are not on Python's resource tracker, whose cleanup
 reports every segment as "leaked"). Whoever started the worker on its host sweeps them when
 it exits: bpslaunch's supervisor (every local, batch and joining worker) and
-bps_gossip.remote (workers on ssh hosts)."""
+bps_gossip.launch.remote (workers on ssh hosts)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster import free_port
 
-from bps_gossip.supervisor import Supervisor
+from bps_gossip.launch.supervisor import Supervisor
 from bps_gossip.transport import shm
 
 # Makes a segment of the job named by DMLC_PS_ROOT_PORT, as a pushing worker does, says its
@@ -54,7 +54,7 @@ def test_remote_end_sweeps_a_killed_workers_segments(tmp_path):
     remote = None
     try:
         # Its stdin stays open, as ssh's does while bpslaunch runs (its end would stop the command).
-        remote = subprocess.Popen([sys.executable, "-m", "bps_gossip.remote"], stdin=subprocess.PIPE,
+        remote = subprocess.Popen([sys.executable, "-m", "bps_gossip.launch.remote"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert remote.stdin is not None
         remote.stdin.write((json.dumps(spec) + "\n").encode())

@@ -1,5 +1,9 @@
-"""The code base stays ruff-clean (the rules are in ruff.toml)."""
+"""The code base stays ruff-clean (the rules are in ruff.toml), and its structure holds: no
+private names imported across modules, the launcher in one package, no import cycle in scripts/."""
 
+from __future__ import annotations
+
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +23,96 @@ def test_core_never_imports_mxnet():
     offenders = [str(p) for p in (ROOT / "bps_gossip").rglob("*.py")
                  if "import mxnet" in p.read_text() or "from mxnet" in p.read_text()]
     assert not offenders, f"bps_gossip must not import mxnet: {offenders}"
+
+
+def _imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    return [node for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_no_private_names_imported_across_modules():
+    """A name with a leading underscore belongs to its module: what another module needs is public."""
+    offenders = []
+    for path in sorted((ROOT / "bps_gossip").rglob("*.py")):
+        for node in _imports(path):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name}"
+                              for alias in node.names if alias.name.startswith("_")]
+    assert not offenders, f"private names imported from another module: {offenders}"
+
+
+FLAT_LAUNCH_MODULES = ("launcher", "launch_elastic", "launch_ssh", "remote", "supervisor", "batch_env", "hosts")
+
+
+def test_the_launcher_is_one_package():
+    """bpslaunch's parts live in bps_gossip/launch/, one module each, none of them long or tangled."""
+    left = [name for name in FLAT_LAUNCH_MODULES if (ROOT / "bps_gossip" / f"{name}.py").exists()]
+    assert not left, f"launcher modules back in the package root (they belong in bps_gossip/launch/): {left}"
+    long_files = [(p.name, n) for p in (ROOT / "bps_gossip" / "launch").glob("*.py")
+                  if (n := len(p.read_text().splitlines())) > 400]
+    assert not long_files, f"bps_gossip/launch files over 400 lines: {long_files}"
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "C901", "--config",
+                           "lint.mccabe.max-complexity = 12", str(ROOT / "bps_gossip" / "launch")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    from bps_gossip.launch import cli
+    from bps_gossip.launch.backend import Backend
+
+    assert all(issubclass(backend, Backend) for backend in cli.BACKENDS)
+
+
+def _import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (module -> the modules it imports) as a path, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                return path[path.index(other):] + [other]
+            if other not in state:
+                found = visit(other)
+                if found:
+                    return found
+        state[name] = 2
+        path.pop()
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            found = visit(name)
+            if found:
+                return found
+    return None
+
+
+def test_scripts_import_no_cycle():
+    """scripts/*.py import each other (by bare name, scripts/ on sys.path) without a cycle, lazy
+    imports inside functions included."""
+    scripts = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in scripts}
+    for name, path in scripts.items():
+        for node in _imports(path):
+            if isinstance(node, ast.Import):
+                targets = {alias.name.split(".")[0] for alias in node.names}
+            else:
+                targets = {node.module.split(".")[0]} if node.module and not node.level else set()
+            graph[name] |= targets & set(scripts)
+    assert _import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself
+    assert _import_cycle(graph) is None, f"import cycle among scripts/: {_import_cycle(graph)}"
+
+
+def test_launch_package_imports_no_cycle():
+    """Within bps_gossip/launch/ the modules import each other without a cycle (cli at the top,
+    supervisor and hosts at the bottom)."""
+    package = ROOT / "bps_gossip" / "launch"
+    modules = {p.stem for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name in modules:
+        for node in _imports(package / f"{name}.py"):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = {node.module} if node.module else {alias.name for alias in node.names}
+                graph[name] |= targets & modules
+    assert _import_cycle(graph) is None, f"import cycle in bps_gossip/launch: {_import_cycle(graph)}"

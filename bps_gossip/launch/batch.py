@@ -1,8 +1,8 @@
-"""Where one task of ``srun -n N bpslaunch ...`` or ``mpirun -np N bpslaunch ...`` belongs in
-the job, from the environment Slurm or the MPI launcher gives it (issue 14).
+"""The batch backend: one task of ``srun -n N bpslaunch ...`` or ``mpirun -np N bpslaunch ...``,
+placed in the job by the environment Slurm or the MPI launcher gives it (issue 14).
 
-Pure functions from a ``Mapping[str, str]`` to the processes this task must run; nothing
-here starts a process or touches the network (bps_gossip.launcher does that).
+The layout is pure functions from a ``Mapping[str, str]`` to the processes this task must run
+(:func:`layout`, :func:`plan`); :class:`BatchBackend` starts them.
 
 Every task runs one worker (the user's command). A *node* (one host of the step) is one
 BytePS "worker machine": ``DMLC_WORKER_ID`` = the node's index, ``BYTEPS_LOCAL_RANK`` /
@@ -25,12 +25,16 @@ Sources, in this order (the innermost launcher wins: mpirun inside a Slurm job i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import socket
 import zlib
 from collections.abc import Mapping
 
-from .errors import ConfigError
+from ..config import load_config
+from ..errors import ConfigError
+from .backend import Backend, Process, check_command, note
 
 # Derived scheduler ports fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's ephemeral
 # range (32768-60999), so that no outgoing connection holds the port by chance.
@@ -59,16 +63,6 @@ class Layout:
     host_label: str | None  # the node's name for output prefixes
     root_port: int | None  # derived from the job's id (None: DMLC_PS_ROOT_PORT needed)
     port_source: str  # how root_port was derived, for messages
-
-
-@dataclasses.dataclass(frozen=True)
-class Process:
-    """One process this task runs: its role, label (for --output-dir), prefix and environment."""
-
-    role: str
-    label: str
-    prefix: str
-    env: dict[str, str]
 
 
 # -- Slurm's notations ---------------------------------------------------------------------
@@ -356,3 +350,37 @@ def describe(place: Layout, processes: list[Process], env: Mapping[str, str]) ->
     return (f"{place.manager} task {place.rank} of {place.size}: {derived['DMLC_NUM_WORKER']} node(s), "
             f"{derived['DMLC_NUM_SERVER']} server(s), scheduler at {derived['DMLC_PS_ROOT_URI']}:"
             f"{derived['DMLC_PS_ROOT_PORT']}{how}")
+
+
+class BatchBackend(Backend):
+    """This task's worker, and the server and scheduler :func:`plan` gives it. The task's
+    scheduler and server serve the other tasks' workers too: they get as long as they take
+    after this task's worker (they exit once every worker of the job has shut down)."""
+
+    services_seconds = None
+
+    def __init__(self, place: Layout, env: Mapping[str, str]) -> None:
+        self.place = place
+        self.env = dict(env)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> BatchBackend | None:
+        if args.no_batch_env or env.get("DMLC_ROLE"):
+            return None
+        place = layout(env)
+        return None if place is None else cls(place, env)
+
+    def plan(self, command: list[str]) -> list[Process]:
+        check_command(command, self.env)
+        processes = plan(self.env, self.place, socket.gethostname())
+        worker = load_config(processes[-1].env)
+        if not worker.distributed:
+            return processes[-1:]  # a one-task job: no scheduler or server, as with -np 1
+        for process in processes[:-1]:
+            load_config(process.env)
+        if self.place.rank == 0:
+            note(describe(self.place, processes, self.env))
+            if worker.keys is None:
+                note("no job secret (BPS_GOSSIP_SECRET / BPS_GOSSIP_SECRET_FILE unset): sockets are not "
+                     "authenticated or encrypted, as in BytePS; see docs/launcher.md to set one")
+        return processes

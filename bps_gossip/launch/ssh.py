@@ -1,11 +1,11 @@
-"""``bpslaunch -H host1:4,host2:4 COMMAND`` (or ``--hostfile FILE``): one job on several hosts,
-started from one command over ssh.
+"""The ssh backend: ``bpslaunch -H host1:4,host2:4 COMMAND`` (or ``--hostfile FILE``) runs one
+job on several hosts, started from one command over ssh.
 
 First every host is checked in parallel (ssh in batch mode with a connect timeout, and the
-Python there must import bps_gossip: ``python -m bps_gossip.remote --probe``). Then the
+Python there must import bps_gossip: ``python -m bps_gossip.launch.remote --probe``). Then the
 scheduler runs on the first host, the servers one per host (``--num-servers`` to change),
 and the workers fill the hosts' slots in order, each process through its own ssh
-connection to :mod:`bps_gossip.remote`, which runs it in the same directory as bpslaunch
+connection to :mod:`bps_gossip.launch.remote`, which runs it in the same directory as bpslaunch
 with the job's DMLC_* environment and secret. Output is prefixed with rank and host. The
 first failure, or Ctrl-C, stops every process on every host: closing a connection stops
 what runs at its other end.
@@ -13,6 +13,7 @@ what runs at its other end.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import json
@@ -24,9 +25,11 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from .errors import ConfigError
-from .hosts import Host, Placement
-from .supervisor import Supervisor
+from ..errors import ConfigError
+from .backend import Backend, Process, note
+from .elastic import ElasticOptions
+from .hosts import Host, Placement, parse_hosts, place_workers, read_hostfile
+from .supervisor import Child, Supervisor
 
 # Forwarded to every process without -x: the project's own settings and MXNet's.
 FORWARDED_PREFIXES = ("BYTEPS_", "BPS_GOSSIP_", "DMLC_", "MXNET_", "OMP_")
@@ -35,6 +38,7 @@ _NOT_FORWARDED = {"BPS_GOSSIP_SECRET", "BPS_GOSSIP_SECRET_FILE", "DMLC_ROLE", "D
                   "DMLC_NODE_HOST", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BPS_GOSSIP_PORT"}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PROBE_SECONDS = 30.0  # for one host's check, connection included
+REMOTE_MODULE = "bps_gossip.launch.remote"  # what ssh runs on every host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +95,10 @@ def job_secret(env: Mapping[str, str]) -> str:
 
 
 def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str, dict]:
-    """Check every host at once; return each one's probe (see :func:`bps_gossip.remote.probe`),
+    """Check every host at once; return each one's probe (see :func:`.remote.probe`),
     or raise ConfigError naming every host that failed and why."""
     def one(host: Host) -> dict:
-        argv = ssh.argv(host, [python, "-m", "bps_gossip.remote", "--probe"])
+        argv = ssh.argv(host, [python, "-m", REMOTE_MODULE, "--probe"])
         try:
             done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=PROBE_SECONDS)
@@ -102,7 +106,7 @@ def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str
             raise ConfigError(f"{host.target}: no answer within {PROBE_SECONDS:.0f} s") from None
         if done.returncode != 0:
             why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m bps_gossip.remote failed)"
+            hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m {REMOTE_MODULE} failed)"
             raise ConfigError(f"{host.target}{hint}: {why}")
         try:
             return json.loads(done.stdout.strip().splitlines()[-1])
@@ -122,19 +126,8 @@ def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str
     return answers
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteProcess:
-    """One process of the job: where it runs, its role, label, prefix and environment."""
-
-    host: Host
-    role: str
-    label: str
-    prefix: str
-    env: dict[str, str]
-
-
 def plan(placements: Sequence[Placement], num_servers: int | None, root_port: int,
-         common: Mapping[str, str]) -> list[RemoteProcess]:
+         common: Mapping[str, str]) -> list[Process]:
     """Every process of the job: the scheduler on the first host, servers one per host (or
     ``num_servers`` spread over the hosts in turn), then the workers host by host."""
     hosts = [p.host for p in placements]
@@ -144,45 +137,69 @@ def plan(placements: Sequence[Placement], num_servers: int | None, root_port: in
     base = {**common, "DMLC_NUM_WORKER": str(len(placements)), "DMLC_NUM_SERVER": str(servers),
             "DMLC_PS_ROOT_URI": hosts[0].address, "DMLC_PS_ROOT_PORT": str(root_port),
             "PYTHONUNBUFFERED": "1"}
-    processes = [RemoteProcess(hosts[0], "scheduler", "scheduler", f"[scheduler@{hosts[0].address}] ",
-                               {**base, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": hosts[0].address})]
+    processes = [Process("scheduler", "scheduler", f"[scheduler@{hosts[0].address}] ",
+                         {**base, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": hosts[0].address}, hosts[0])]
     for index in range(servers):
         host = hosts[index % len(hosts)]
-        processes.append(RemoteProcess(host, "server", f"server{index}", f"[server{index}@{host.address}] ",
-                                       {**base, "DMLC_ROLE": "server", "DMLC_NODE_HOST": host.address}))
+        processes.append(Process("server", f"server{index}", f"[server{index}@{host.address}] ",
+                                 {**base, "DMLC_ROLE": "server", "DMLC_NODE_HOST": host.address}, host))
     for placement in placements:
         address = placement.host.address
         for local_rank in range(placement.workers):
             rank = placement.first_rank + local_rank
-            processes.append(RemoteProcess(placement.host, "worker", f"worker{rank}", f"[{rank}@{address}] ", {
+            processes.append(Process("worker", f"worker{rank}", f"[{rank}@{address}] ", {
                 **base, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": address, "DMLC_WORKER_ID": str(placement.index),
-                "BYTEPS_LOCAL_SIZE": str(placement.workers), "BYTEPS_LOCAL_RANK": str(local_rank)}))
+                "BYTEPS_LOCAL_SIZE": str(placement.workers), "BYTEPS_LOCAL_RANK": str(local_rank)}, placement.host))
     return processes
 
 
-def run_hosts(placements: Sequence[Placement], num_servers: int | None, command: list[str],
-              forward: Sequence[str] = (), ssh: SshOptions | None = None, python: str | None = None,
-              env: Mapping[str, str] | None = None) -> int:
-    """Run one job on ``placements``' hosts over ssh; return the first failure's exit code, else 0."""
-    ssh = ssh or SshOptions()
-    python = python or sys.executable
-    env = os.environ if env is None else env
-    if not command:
-        raise ConfigError("no command given for the workers (e.g. bpslaunch -H a:2,b:2 python train.py)")
-    common = forwarded_env(env, forward)
-    secret = job_secret(env)
-    probes = probe_hosts([p.host for p in placements], ssh, python)
-    root_port = int(env["DMLC_PS_ROOT_PORT"]) if env.get("DMLC_PS_ROOT_PORT") else int(
-        probes[placements[0].host.address]["port"])
-    cwd = os.getcwd()
-    remote = [python, "-m", "bps_gossip.remote"]
-    with Supervisor() as sup:
-        sup.note(f"{sum(p.workers for p in placements)} workers on {len(placements)} host(s) "
-                 f"({', '.join(f'{p.host.address}:{p.workers}' for p in placements)}); scheduler at "
-                 f"{placements[0].host.address}:{root_port}")
-        for process in plan(placements, num_servers, root_port, common):
-            argv = command if process.role == "worker" else [python, "-m", f"bps_gossip.{process.role}"]
-            spec = json.dumps({"argv": argv, "cwd": cwd, "env": process.env, "secret": secret})
-            sup.start(ssh.argv(process.host, remote), os.environ, process.role, process.label, process.prefix,
-                      stdin_data=spec.encode() + b"\n")
-        return sup.wait(fail_fast=True)
+class SshBackend(Backend):
+    """Every process of the job on the placements' hosts, each through its own ssh connection
+    to :mod:`.remote` (closing the connection stops the process)."""
+
+    def __init__(self, placements: Sequence[Placement], num_servers: int | None = None,
+                 forward: Sequence[str] = (), ssh: SshOptions | None = None, python: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.placements = list(placements)
+        self.num_servers = num_servers
+        self.forward = list(forward)
+        self.ssh = ssh or SshOptions()
+        self.python = python or sys.executable
+        self.env = os.environ if env is None else env
+        self.secret = ""  # the job's, read or made by plan()
+        self.cwd = ""  # where the processes run on every host: bpslaunch's directory
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> SshBackend | None:
+        if args.hosts is None and args.hostfile is None:
+            return None
+        if args.hosts is not None and args.hostfile is not None:
+            raise ConfigError("give the hosts with -H or with --hostfile, not both")
+        if ElasticOptions.from_args(args) != ElasticOptions():
+            raise ConfigError("elastic jobs (--min-np, --max-np, ...) run on one host; over several hosts, start "
+                              "each role BytePS style with BPS_GOSSIP_ELASTIC=1")
+        hosts = parse_hosts(args.hosts) if args.hosts is not None else read_hostfile(args.hostfile)
+        ssh = SshOptions(args.ssh_port, args.ssh_identity_file, tuple(args.ssh_options))
+        return cls(place_workers(hosts, args.num_proc), args.num_servers, args.forward, ssh, args.remote_python, env)
+
+    def plan(self, command: list[str]) -> list[Process]:
+        if not command:
+            raise ConfigError("no command given for the workers (e.g. bpslaunch -H a:2,b:2 python train.py)")
+        common = forwarded_env(self.env, self.forward)
+        self.secret = job_secret(self.env)
+        self.cwd = os.getcwd()
+        probes = probe_hosts([p.host for p in self.placements], self.ssh, self.python)
+        first = self.placements[0].host.address
+        root_port = int(self.env["DMLC_PS_ROOT_PORT"]) if self.env.get("DMLC_PS_ROOT_PORT") else int(
+            probes[first]["port"])
+        note(f"{sum(p.workers for p in self.placements)} workers on {len(self.placements)} host(s) "
+             f"({', '.join(f'{p.host.address}:{p.workers}' for p in self.placements)}); scheduler at "
+             f"{first}:{root_port}")
+        return plan(self.placements, self.num_servers, root_port, common)
+
+    def start(self, sup: Supervisor, process: Process, command: list[str]) -> Child:
+        assert process.host is not None
+        spec = json.dumps({"argv": self.argv(process, command), "cwd": self.cwd, "env": process.env,
+                           "secret": self.secret})
+        return sup.start(self.ssh.argv(process.host, [self.python, "-m", REMOTE_MODULE]), os.environ,
+                         process.role, process.label, process.prefix, stdin_data=spec.encode() + b"\n")

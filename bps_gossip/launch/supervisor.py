@@ -1,6 +1,6 @@
 """The children of one bpslaunch: start them in their own sessions, forward their output
-behind a prefix, notice who ended, and stop them all (used by bpslaunch's local, BytePS and
-elastic modes and by scripts/netns_cluster.py).
+behind a prefix, notice who ended, and stop them all (used by every launcher backend and by
+scripts/netns_job.py).
 
 Every child runs in its own session, so that stopping it also stops whatever it started:
 the supervisor sends the signal to the child's process group, waits a grace period, then
@@ -21,14 +21,13 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO
 
-from .compat import zip_exact
-from .transport import shm
+from ..compat import zip_exact
+from ..transport import shm
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
 _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Local mode owns these: every process runs on this machine, in one job.
 _SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
 
 
@@ -67,7 +66,9 @@ def exit_code(returncode: int) -> int:
 
 
 @dataclasses.dataclass
-class _Child:
+class Child:
+    """One process a Supervisor started: its exit code once it ended, its output's pumps."""
+
     label: str
     role: str
     proc: subprocess.Popen
@@ -91,7 +92,7 @@ class Supervisor:
     timestamps: bool = False
 
     def __init__(self) -> None:
-        self.children: list[_Child] = []
+        self.children: list[Child] = []
         self.signals: list[int] = []  # signals bpslaunch received, in order
         self._out_lock = threading.Lock()
         self._old_handlers: dict[int, object] = {}
@@ -110,12 +111,12 @@ class Supervisor:
 
     # -- starting -------------------------------------------------------------------
     def start(self, argv: list[str], env: Mapping[str, str], role: str, label: str,
-              prefix: str | None, stdin_data: bytes | None = None) -> _Child:
+              prefix: str | None, stdin_data: bytes | None = None) -> Child:
         """Start ``argv`` in a new session. With a ``prefix``, its stdout and stderr are piped
         and forwarded line by line behind the prefix; without one, it shares ours. With
         ``stdin_data``, its stdin is a pipe that gets these bytes and then stays open until the
-        child ends (bps_gossip.remote stops its command when its stdin ends, and sweeps on its
-        host). A worker started here has its shared-memory segments swept when it exits."""
+        child ends (bps_gossip.launch.remote stops its command when its stdin ends, and sweeps
+        on its host). A worker started here has its shared-memory segments swept when it exits."""
         pipe = subprocess.PIPE if prefix is not None else None
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         if stdin_data is not None:
@@ -128,7 +129,7 @@ class Supervisor:
                 proc.stdin.flush()
             except BrokenPipeError:
                 pass  # it ended at once: its exit code tells the waiting loop
-        child = _Child(label, role, proc, [])
+        child = Child(label, role, proc, [])
         if role == "worker" and stdin_data is None:
             child.segments_env = env
         if prefix is not None:
@@ -190,7 +191,7 @@ class Supervisor:
             print(f"bpslaunch: {message}", file=sys.stderr, flush=True)
 
     # -- waiting --------------------------------------------------------------------
-    def reap(self) -> list[_Child]:
+    def reap(self) -> list[Child]:
         """Record the exit codes of children that ended since the last call; return them."""
         ended = []
         for child in self.children:

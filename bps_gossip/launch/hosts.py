@@ -12,7 +12,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # user@ is optional; a host is letters, digits, dots, dashes and underscores, not starting with '-'
 # (so nothing on the ssh command line can be read as an option).

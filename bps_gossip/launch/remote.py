@@ -1,4 +1,4 @@
-"""The remote end of a multi-host bpslaunch: ``python -m bps_gossip.remote``, run by ssh.
+"""The remote end of a multi-host bpslaunch: ``python -m bps_gossip.launch.remote``, run by ssh.
 
 It reads one JSON line on stdin, ``{"argv": [...], "cwd": "...", "env": {...}, "secret": "..."}``,
 starts ``argv`` in that directory in a session of its own, with ``env`` over the host's own
@@ -8,7 +8,7 @@ dies, or the connection drops, stdin ends and the command's whole process group 
 (SIGTERM, then SIGKILL after a grace period). That is how nothing outlives its job on a remote
 host even when ssh gives the remote side no signal (it does not without a terminal).
 
-``python -m bps_gossip.remote --probe`` prints this host's facts for bpslaunch's check: a free
+``python -m bps_gossip.launch.remote --probe`` prints this host's facts for bpslaunch's check: a free
 TCP port (for the scheduler), the Python version and the host name.
 """
 
@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .transport import shm
+from ..transport import shm
 
 GRACE_SECONDS = 3.0
 MAX_SPEC_BYTES = 1 << 20  # the launcher's line: argv, cwd and the forwarded environment
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe()), flush=True)
         return 0
     if args:
-        print(f"bps_gossip.remote: unknown arguments {args!r}", file=sys.stderr)
+        print(f"bps_gossip.launch.remote: unknown arguments {args!r}", file=sys.stderr)
         return 2
     stdin_fd = sys.stdin.fileno()
     try:
         command, cwd, env, secret = read_spec(stdin_fd)
     except ValueError as exc:
-        print(f"bps_gossip.remote on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
+        print(f"bps_gossip.launch.remote on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
         return 2
     return run(command, cwd, env, secret, stdin_fd)
 

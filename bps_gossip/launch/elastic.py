@@ -10,16 +10,20 @@ quotes its reason and stops everything.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import shlex
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 
-from .config import Config, load_config
-from .errors import ConfigError
-from .liveness import start_ticks
-from .supervisor import Supervisor, _Child
+from ..config import Config, load_config
+from ..errors import ConfigError
+from ..liveness import start_ticks
+from .backend import check_command
+from .supervisor import Child, Supervisor
 
 SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
 _POLL_SECONDS = 0.05
@@ -33,6 +37,11 @@ class ElasticOptions:
     max_np: int | None = None
     reset_limit: int | None = None  # None: no limit (Horovod's default)
     timeout: float | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ElasticOptions:
+        """The flags as bpslaunch's command line gives them."""
+        return cls(args.min_np, args.max_np, args.reset_limit, args.elastic_timeout)
 
     @property
     def requested(self) -> bool:
@@ -110,6 +119,18 @@ def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """``bpslaunch --join``: one worker process that joins the running elastic job at ``root``
+    (HOST:PORT, default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT). Returns its exit code."""
+    child_env = join_env(root, os.environ if env is None else env)
+    check_command(command, child_env)
+    print(f"bpslaunch: joining the elastic job at {child_env.get('DMLC_PS_ROOT_URI', '127.0.0.1')}:"
+          f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit)", file=sys.stderr, flush=True)
+    with Supervisor() as sup:
+        sup.start(command, child_env, "worker", "worker", None)
+        return sup.wait(fail_fast=False)
+
+
 class ElasticRun:
     """Supervise the workers of an elastic local job: restart the failed, stop on job failure.
 
@@ -118,7 +139,7 @@ class ElasticRun:
     gives a replacement's environment.
     """
 
-    def __init__(self, sup: Supervisor, workers: dict[int, _Child], command: list[str],
+    def __init__(self, sup: Supervisor, workers: dict[int, Child], command: list[str],
                  slot_env: Callable[[int], Mapping[str, str]], reset_limit: int | None,
                  restart_delay: float) -> None:
         self.sup = sup
@@ -130,12 +151,12 @@ class ElasticRun:
         self.restart_delay = max(SETTLE_SECONDS, restart_delay)
         self.restarts = 0
         self.given_up: set[int] = set()  # slots whose failure the ended job no longer needs restarted
-        self.pending: list[tuple[int, _Child, float]] = []  # (slot, failed child, when) to act on
+        self.pending: list[tuple[int, Child, float]] = []  # (slot, failed child, when) to act on
         self.scheduler = next((c for c in sup.children if c.role == "scheduler"), None)
         self.first_error = 0
         self.finished: str | None = None  # the first worker that exited 0: the job is ending
 
-    def _slot_of(self, child: _Child) -> int | None:
+    def _slot_of(self, child: Child) -> int | None:
         return next((slot for slot, c in self.current.items() if c is child), None)
 
     def run(self) -> int:
@@ -156,7 +177,7 @@ class ElasticRun:
             time.sleep(_POLL_SECONDS)
         return self._wait_scheduler()
 
-    def _on_exit(self, child: _Child) -> int | None:
+    def _on_exit(self, child: Child) -> int | None:
         """Note one child's exit; return an exit status when it ends the job."""
         code = child.code
         if child is self.scheduler:

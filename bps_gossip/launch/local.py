@@ -1,0 +1,116 @@
+"""The local backend: ``bpslaunch -np N [--num-servers S] COMMAND...`` runs a whole job on
+this machine.
+
+A scheduler, S servers and N workers on 127.0.0.1, each worker's output behind ``[rank] ``;
+everything stops as soon as one worker fails or bpslaunch gets SIGINT/SIGTERM/SIGHUP. With one
+worker and BYTEPS_FORCE_DISTRIBUTED unset, the worker runs alone. Without BPS_GOSSIP_SECRET(_FILE)
+the job gets a fresh secret in a file only this user can read. With ``--min-np``/``--max-np``
+(or BPS_GOSSIP_ELASTIC=1) the job is elastic: a failed worker is restarted (:mod:`.elastic`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import tempfile
+from collections.abc import Mapping
+
+from ..config import Config, load_config
+from ..errors import ConfigError
+from ..transport import shm
+from .backend import Backend, Process, check_command
+from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay
+from .supervisor import Child, Supervisor
+
+# Local mode owns these: every process runs on this machine, in one job.
+_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def make_secret_file(port: int) -> str:
+    """A fresh job secret in a file only this user can read; the children read it from there
+    (BPS_GOSSIP_SECRET_FILE), so it is in no process's command line or environment."""
+    fd, path = tempfile.mkstemp(prefix=f"bpsg_secret_{port}_")  # mode 0600
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+class LocalBackend(Backend):
+    """Every process of the job on 127.0.0.1 (``-np``)."""
+
+    def __init__(self, num_proc: int, num_servers: int = 1, elastic: ElasticOptions | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.num_proc = num_proc
+        self.num_servers = num_servers
+        self.elastic = elastic or ElasticOptions()
+        self.env = os.environ if env is None else env
+        self.port: int | None = None  # the scheduler's, chosen by plan(); names the job's segments
+        self.secret_file: str | None = None  # made by plan() when the environment has no secret
+        self.workers: list[dict[str, str]] = []  # each worker slot's environment
+        self.config: Config | None = None  # the first worker's, once planned
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> LocalBackend | None:
+        if args.num_proc is None:
+            return None
+        num_servers = 1 if args.num_servers is None else args.num_servers
+        return cls(args.num_proc, num_servers, ElasticOptions.from_args(args), env)
+
+    def plan(self, command: list[str]) -> list[Process]:
+        if self.num_proc < 1:
+            raise ConfigError(f"-np {self.num_proc}: the number of workers must be >= 1")
+        if self.num_servers < 1:
+            raise ConfigError(f"--num-servers {self.num_servers}: the number of servers must be >= 1")
+        base = {k: v for k, v in self.env.items() if k not in _LOCAL_OVERRIDES}
+        self.elastic.check(self.num_proc)
+        check_command(command, base)
+        self.port = free_port()
+        if not base.get("BPS_GOSSIP_SECRET") and not base.get("BPS_GOSSIP_SECRET_FILE"):
+            self.secret_file = base["BPS_GOSSIP_SECRET_FILE"] = make_secret_file(self.port)
+        base.update({
+            "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": str(self.num_servers),
+            "BYTEPS_LOCAL_SIZE": str(self.num_proc), "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(self.port), "DMLC_NODE_HOST": "127.0.0.1", **self.elastic.env(),
+        })
+        base.setdefault("PYTHONUNBUFFERED", "1")  # piped Python output would otherwise come in blocks
+        self.workers = [{**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_RANK": str(rank)}
+                        for rank in range(self.num_proc)]
+        configs = [load_config(env) for env in self.workers]  # validates every worker
+        self.config = configs[0]
+        check_elastic_env(self.elastic, self.config, self.num_proc)
+        services = []
+        if any(c.distributed for c in configs):
+            services = [Process("scheduler", "scheduler", "[scheduler] ", {**base, "DMLC_ROLE": "scheduler"})]
+            services += [Process("server", f"server{i}", f"[server{i}] ", {**base, "DMLC_ROLE": "server"})
+                         for i in range(self.num_servers)]
+        for service in services:
+            load_config(service.env)
+        return services + [Process("worker", f"worker {rank}", f"[{rank}] ", env)
+                           for rank, env in enumerate(self.workers)]
+
+    def supervise(self, sup: Supervisor, children: list[Child], command: list[str]) -> int:
+        assert self.config is not None and self.port is not None
+        if not self.config.elastic:
+            return sup.wait(fail_fast=True)
+        sup.note(f"elastic job; add a worker with: {join_command(self.port, command, self.secret_file)}")
+        # A replacement keeps its slot's BYTEPS_LOCAL_RANK: it joins the running job at the next
+        # commit (ranks come from the scheduler), or fills the slot if the job has not started.
+        first = dict(enumerate(c for c in children if c.role == "worker"))
+        return ElasticRun(sup, first, command, lambda slot: self.workers[slot], self.elastic.reset_limit,
+                          restart_delay(self.config)).run()
+
+    def close(self) -> None:
+        if self.port is not None:
+            shm.sweep(str(self.port))  # segments of workers that were killed (they could not unlink)
+        if self.secret_file is not None:
+            os.unlink(self.secret_file)
+            self.secret_file = None
