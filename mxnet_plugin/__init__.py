@@ -23,15 +23,16 @@ from bps_gossip import generation, init, local_rank, local_size, rank, size
 
 from . import overlap as _overlap
 from .compression import Compression
-from .gossip_mode import flush_all as _flush_gossip
 from .kvstore import BpsGossip
+from .modes import GossipOptions
+from .modes.parameter_gossip import flush_all as _flush_gossip
 from .ops import broadcast, broadcast_, byteps_declare_tensor, byteps_push_pull
 from .optimizer import DistributedOptimizer
 from .parameters import broadcast_parameters
 from .trainer import DistributedTrainer
 
 __all__ = [
-    "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "broadcast", "broadcast_", "broadcast_parameters",
+    "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "GossipOptions", "broadcast", "broadcast_", "broadcast_parameters",
     "byteps_declare_tensor", "byteps_push_pull", "generation", "init", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
     "suspend",
 ]

@@ -104,3 +104,43 @@ def test_gossip_trainer_bad_arguments(cluster):
     assert "average_every" in errors[2]
     assert "root_rank=3" in errors[3]
     assert "overlap" in errors[4]
+
+
+@pytest.mark.timeout(150)
+def test_every_keyword_of_before_still_trains(cluster):
+    """Each keyword DistributedTrainer took before its modes were split out, in both modes, and
+    BytePS's positional form; gossip options given as an object."""
+    job = cluster(2)
+    done = job.run_workers("""
+        import mxnet as mx, mxnet_plugin as bps
+        bps.init()
+        out = {}
+        for mode in ("gossip", "allreduce", "options"):
+            net = mx.gluon.nn.Dense(2, in_units=2)
+            net.initialize(mx.init.Constant(bps.rank()))
+            if mode == "options":
+                trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, 0, None,
+                                                 "gossip", gossip_options=bps.GossipOptions(graph="ring"),
+                                                 average_every=2)
+            else:
+                trainer = bps.DistributedTrainer(
+                    params=net.collect_params(), optimizer="sgd", optimizer_params={"learning_rate": 0.1},
+                    root_rank=0, compression_params=None, mode=mode, graph="ring", peers_per_itr=1,
+                    push_sum=True, overlap=False, synch_freq=0, average_every=2, overlap_backward=False,
+                    gossip_gamma=0.2)
+            for _ in range(2):
+                with mx.autograd.record():
+                    loss = net(mx.nd.full((1, 2), bps.rank() + 1.0)).sum()
+                loss.backward()
+                trainer.step(1)
+            out[mode] = [trainer.mode, trainer.num_steps, trainer.average_every, trainer.overlap_backward,
+                         trainer.consensus_distance(), net.weight.data().asnumpy().tolist()]
+        report(out)
+        bps.shutdown()
+    """, timeout=130)
+    assert_all_ok(done, job)
+    first, second = (f.result for f in done)
+    for mode, name in (("gossip", "gossip"), ("allreduce", "allreduce"), ("options", "gossip")):
+        assert first[mode][:4] == [name, 2, 2, False], first
+        assert first[mode][4] < 1e-6, first  # allreduce: equal; gossip: averaged exactly at step 2
+        assert np.allclose(first[mode][5], second[mode][5], atol=1e-5), (first, second)

@@ -1,4 +1,5 @@
-"""Gossip mode of DistributedTrainer: Gluon parameters <-> the core's GossipAverager.
+"""Gluon parameters <-> the core's GossipAverager (or, compressed, ChocoAverager), for
+DistributedTrainer's gossip mode (:mod:`mxnet_plugin.modes.gossip`).
 
 Parameters are grouped by dtype into flat host buffers (one message per group and
 peer). After the local optimizer update, the displacement of each parameter is
@@ -17,7 +18,6 @@ which forward passes move, are gossiped with the weights like that, and
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import mxnet as mx
 import numpy as np
@@ -27,7 +27,8 @@ from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.choco import ChocoAverager
 
-from .layouts import idle_view
+from ..layouts import idle_view
+from .options import GossipOptions
 
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
 
@@ -39,13 +40,16 @@ def flush_all() -> None:
 
 
 class ParameterGossip:
-    """Packs a trainer's parameters into dtype groups and runs SGP on them."""
+    """Packs a trainer's parameters into dtype groups and runs SGP on them (CHOCO-Gossip
+    when ``compression`` is set: then only ``options.gossip_gamma`` of the options applies)."""
 
-    def __init__(self, params: list[mx.gluon.Parameter], tag: str, compression: CompressionSpec | None = None,
-                 gamma: float = 0.2, **averager_args: Any) -> None:
+    def __init__(self, params: list[mx.gluon.Parameter], tag: str, options: GossipOptions | None = None,
+                 compression: CompressionSpec | None = None) -> None:
+        options = options or GossipOptions()
         self.params = params
-        self.compression, self.gamma = compression, gamma  # compressed gossip (CHOCO) when set
+        self.compression, self.gamma = compression, options.gossip_gamma  # compressed gossip (CHOCO) when set
         self.tag = tag
+        averager_args = options.averager_arguments()
         self.graph_spec = averager_args["graph"]  # a name can be rebuilt for another size (elastic)
         averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
         self.averager_args = averager_args

@@ -1,0 +1,44 @@
+"""DistributedTrainer's modes: one class per way of keeping the workers in agreement.
+
+- :class:`~.allreduce.AllreduceMode` (``mode='allreduce'``): BytePS's gradient push_pull.
+- :class:`~.gossip.GossipMode` (``mode='gossip'``, the default): SGP on the parameters,
+  set by :class:`~.options.GossipOptions`.
+
+Both implement :class:`~.base.TrainerMode`. A new mode is one subclass and one entry in
+:data:`MODE_CLASSES` (and its name in ``bps_gossip.config.TRAINER_MODES``, which
+``BPS_GOSSIP_MODE`` and ``bpslaunch --mode`` accept).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from bps_gossip.compression import CompressionSpec
+from bps_gossip.config import TRAINER_MODES, load_config
+
+from .allreduce import AllreduceMode
+from .base import ModeSetup, TrainerMode
+from .gossip import GossipMode
+from .options import GossipOptions
+
+__all__ = ["MODE_CLASSES", "AllreduceMode", "GossipMode", "GossipOptions", "ModeSetup", "TrainerMode",
+           "mode_class"]
+
+MODE_CLASSES: dict[str, type[TrainerMode]] = {cls.name: cls for cls in (GossipMode, AllreduceMode)}
+
+
+def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp16: bool = False
+               ) -> type[TrainerMode]:
+    """The class of ``mode``; ``None``: the job's default (BPS_GOSSIP_MODE, ``bpslaunch --mode``,
+    else gossip), except that fp16 without a compressor, which only gradients can use, picks
+    allreduce (with a warning). ValueError for a name that is not a mode."""
+    if mode is None:
+        mode = load_config().mode
+        if fp16 and compression is None and mode == "gossip":
+            warnings.warn("DistributedTrainer: fp16 applies to pushed gradients, which gossip mode does not "
+                          "push: averaging gradients (mode='allreduce') instead", stacklevel=3)
+            mode = "allreduce"
+    cls = MODE_CLASSES.get(mode) if isinstance(mode, str) else None
+    if cls is None:
+        raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {TRAINER_MODES}")
+    return cls
