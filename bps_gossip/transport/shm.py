@@ -8,7 +8,7 @@ back into each region, so a push_pull costs each worker one copy in and one copy
 Cleanup on every exit path, without Python's resource tracker: the owner unlinks at
 shutdown (and at exit). Names carry the job's prefix and the owner's pid, so what a
 killed owner leaves is removed by whoever sees it die on this host: the process that
-started it (bpslaunch's supervisor, or bps_gossip.remote on an ssh host) as soon as it
+started it (bpslaunch's supervisor, or bps_gossip.launch.remote on an ssh host) as soon as it
 exits, the scheduler (a lost worker on its host), and bpslaunch again at the end of a
 job. No segment is on the resource tracker: the tracker would unlink a killed owner's
 segments too, but it reports each as "leaked shared_memory objects", which reads as a
