@@ -39,6 +39,9 @@ from .errors import (
     WorkersChangedError,
 )
 from .worker.handle import Handle
+from .worker_comm import register as _register_defaults
+
+_register_defaults()  # gossip and elastic use this worker unless given a link or comm
 
 __version__ = "0.1.0"
 

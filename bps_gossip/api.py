@@ -459,6 +459,15 @@ class PeerLink:
         self._engine.submit("peer_expect", (tag, rnd, list(sources), handle))
         return handle
 
+    def push_pull(self, array: np.ndarray, name: str, average: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """The exact sum (or mean) over all workers through the servers (the module's push_pull)."""
+        return push_pull(array, name, average=average, out=out)
+
+    def wait_timeout(self) -> float:
+        """The backstop for waits on expect()'s handles (the module's wait_timeout)."""
+        return wait_timeout()
+
 
 def peer_link() -> PeerLink:
     """The peer channel of this worker (internal, for gossip)."""
