@@ -237,6 +237,7 @@ class FakeWorld:
         self.size = size
         self.generation = 1
         self.joining = False  # commit_check's answer
+        self.commit_error: BaseException | None = None  # commit_check raises it instead
         self.restore = False  # reset's answer
         self.collective = _Collective(size)
         self.ended = False
@@ -287,6 +288,8 @@ class FakeComm:
 
     def commit_check(self) -> bool:
         self.calls.append("commit_check")
+        if self.world.commit_error is not None:
+            raise self.world.commit_error
         return self.world.joining
 
     def reset(self) -> bool:
