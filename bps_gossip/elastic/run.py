@@ -28,8 +28,8 @@ def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..
     admits no more workers from then on. A worker that joined but has no state yet when the
     job finishes exits with status 0 (the job succeeded without it).
 
-    ``comm``: the job (:class:`~.comm.Comm`), looked up when the wrapper is called when
-    None (the default comm); give ``state`` the same one.
+    ``comm``: the job (:class:`~.comm.Comm`); None means the default comm, looked up at
+    each call. Give ``state`` the same one.
     """
 
     @functools.wraps(func)
