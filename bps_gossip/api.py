@@ -464,7 +464,7 @@ class PeerLink:
         """The exact sum (or mean) over all workers through the servers (the module's push_pull)."""
         return push_pull(array, name, average=average, out=out)
 
-    def wait_timeout(self) -> float:
+    def timeout(self) -> float:
         """The backstop for waits on expect()'s handles (the module's wait_timeout)."""
         return wait_timeout()
 

@@ -69,9 +69,9 @@ class WorkerLink:
         """See Link.push_pull."""
         return self._peer.push_pull(array, name, average=average, out=out)
 
-    def wait_timeout(self) -> float:
-        """See Link.wait_timeout."""
-        return self._peer.wait_timeout()
+    def timeout(self) -> float:
+        """See Link.timeout."""
+        return self._peer.timeout()
 
 
 def worker_link() -> WorkerLink:

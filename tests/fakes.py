@@ -188,7 +188,7 @@ class FakeLink:
         self.network = network
         self.rank = rank
         self.size = network.size
-        self.timeout = timeout
+        self._timeout = timeout
         self.scaled_sends = 0
 
     def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
@@ -225,9 +225,9 @@ class FakeLink:
         np.copyto(out, total)
         return out
 
-    def wait_timeout(self) -> float:
+    def timeout(self) -> float:
         """The backstop for expect() futures."""
-        return self.timeout
+        return self._timeout
 
 
 class FakeWorld:

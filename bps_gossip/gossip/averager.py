@@ -100,7 +100,7 @@ class GossipAverager:
             self._absorb(pending)
 
     def _absorb(self, pending: PendingRound) -> None:
-        self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.wait_timeout())
+        self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
 
     def flush(self) -> None:
         """Absorb every open round (before evaluating, saving or stopping)."""

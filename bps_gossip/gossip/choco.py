@@ -69,7 +69,7 @@ class ChocoAverager(GossipAverager):
             payload.append(data)
         for peer in self.neighbors:
             self.link.send(peer, {"tag": self.tag, "round": rnd, "keys": keys}, payload)
-        received = wait_for(future, self.link.wait_timeout(), f"compressed gossip {self.tag!r} round {rnd}")
+        received = wait_for(future, self.link.timeout(), f"compressed gossip {self.tag!r} round {rnd}")
         for peer in self.neighbors:
             header, arrays = received[peer]
             if list(header.get("keys", ())) != keys or len(arrays) != len(keys):

@@ -48,7 +48,7 @@ class Link(Protocol):
                   out: np.ndarray | None = None) -> np.ndarray:
         """The exact sum (or mean) of ``array`` over all workers, through the servers (blocking)."""
 
-    def wait_timeout(self) -> float:
+    def timeout(self) -> float:
         """Seconds to wait for an expect() future before giving up (a backstop)."""
 
 
