@@ -9,8 +9,7 @@ Tests pass a fake. Rank and size are methods: they change at every reset.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -57,7 +56,7 @@ class Comm(Protocol):
         """The job finished before this joiner got its state: exit with status 0 (raises SystemExit)."""
 
 
-CommProvider = Callable[[], Comm]
+CommProvider = Callable[[], Comm]  # typing's: collections.abc.Callable[...] needs 3.9
 _provider: CommProvider | None = None
 
 

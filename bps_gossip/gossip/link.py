@@ -12,8 +12,7 @@ and ``result(timeout)`` on it (see :func:`wait_for`).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
-from typing import Any, Dict, List, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Protocol, Tuple
 
 import numpy as np
 
@@ -52,7 +51,7 @@ class Link(Protocol):
         """Seconds to wait for an expect() future before giving up (a backstop)."""
 
 
-LinkProvider = Callable[[], Link]
+LinkProvider = Callable[[], Link]  # typing's: collections.abc.Callable[...] needs 3.9
 _provider: LinkProvider | None = None
 
 
