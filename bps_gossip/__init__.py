@@ -33,7 +33,10 @@ from .errors import (
     TensorMismatchError,
     WorkersChangedError,
 )
-from .worker.futures import Future as Handle  # what asynchronous calls return
+from .futures import Future as Handle  # what asynchronous calls return
+from .worker_comm import register as _register_defaults
+
+_register_defaults()  # gossip and elastic use this worker unless given a link or comm
 
 __version__ = "0.1.0"
 

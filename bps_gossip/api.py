@@ -24,10 +24,10 @@ from .collectives import (  # noqa: F401 - the API's collectives, importable fro
 )
 from .config import Config, load_config
 from .errors import ConfigError, JobEndedError
+from .futures import Future, wait
 from .runtime import Runtime
 from .worker import commands as cmd
 from .worker.engine import Engine
-from .worker.futures import Future, wait
 from .worker.peer_link import PeerLink
 
 _atexit_registered = False

@@ -13,7 +13,7 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
-from bps_gossip.worker.futures import Future as Handle
+from bps_gossip.futures import Future as Handle
 
 from .layouts import make_default
 

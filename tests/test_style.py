@@ -1,5 +1,6 @@
 """The code base stays ruff-clean (the rules are in ruff.toml), and its structure holds: no
-private names imported across modules, the launcher in one package, no import cycle in scripts/."""
+private names imported across modules, the launcher in one package, no import cycle in scripts/,
+mxnet_plugin's trainer delegating to one mode object, gossip/ and elastic/ handed their link."""
 
 from __future__ import annotations
 
@@ -153,3 +154,33 @@ def test_each_averager_is_built_in_one_place():
                  for node in ast.walk(ast.parse(p.read_text()))
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == cls]
         assert len(sites) == 1, f"{cls} built at {sites}"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of the modules a file imports (relative imports resolved; ``from X import y``
+    counts as X and X.y, since y may be a module)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("core", ["gossip", "elastic"])
+def test_gossip_and_elastic_cores_do_not_import_the_worker_api(core):
+    """They are handed a Link / Comm (bps_gossip/worker_comm.py adapts the worker to them)."""
+    offenders = {}
+    for path in (ROOT / "bps_gossip" / core).rglob("*.py"):
+        bad = sorted(name for name in _imported_modules(path)
+                     if name in ("bps_gossip.api", "bps_gossip.worker") or name.startswith(("bps_gossip.api.",
+                                                                                             "bps_gossip.worker.")))
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert not offenders, f"bps_gossip/{core} must not import the worker API: {offenders}"
+

@@ -7,15 +7,15 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import api
 from ..errors import JobEndedError, WorkersChangedError
+from .comm import Comm, resolve
 from .state import State
 
 log = logging.getLogger("bps_gossip.elastic")
 Result = TypeVar("Result")
 
 
-def run(func: Callable[..., Result]) -> Callable[..., Result]:
+def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..., Result]:
     """Decorate ``func(state, *args, **kwargs)`` so that it survives membership changes.
 
     Every attempt starts by syncing ``state`` from rank 0. When a collective fails with
@@ -27,27 +27,32 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     When ``func`` returns, the scheduler is told this worker finished training: the job
     admits no more workers from then on. A worker that joined but has no state yet when the
     job finishes exits with status 0 (the job succeeded without it).
+
+    ``comm``: the job (:class:`~.comm.Comm`); None means the default comm, looked up at
+    each call. Give ``state`` the same one.
     """
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Result:
-        if not api.is_initialized():
-            api.init()
+        job = resolve(comm)
+        if not job.is_initialized():
+            job.init()
         while True:
             try:
                 try:
                     state.sync()
-                    api.holds_state()
+                    job.holds_state()
                     result = func(state, *args, **kwargs)
-                    api.training_finished()
+                    job.training_finished()
                     return result
                 except WorkersChangedError as exc:
-                    log.info("rank %d: %s; resetting", api.rank(), exc)
-                    if api.reset():
+                    log.info("rank %d: %s; resetting", job.rank(), exc)
+                    if job.reset():
                         state.restore()
-                    log.info("generation %d: rank %d of %d", api.generation(), api.rank(), api.size())
+                    log.info("generation %d: rank %d of %d", job.generation(), job.rank(), job.size())
                     state.on_reset()
             except JobEndedError as exc:
-                api.exit_job_over(exc)
+                job.exit_job_over(exc)  # exits with status 0
+                raise  # a comm whose exit_job_over returned: the job still ended
 
     return wrapper

@@ -7,6 +7,9 @@ samples per rank the set processed by the whole job follows from (remaining, the
 size of the split, consumed) alone: after a reset and a sync from rank 0 each rank
 removes it and re-splits the rest over the new size. Nothing is repeated beyond the
 padding, nothing is skipped.
+
+Rank and size come from a :class:`~.comm.Comm` given as ``comm=`` (the default comm when
+None); (0, 1) before the job is initialized.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import api
+from .comm import Comm, resolve
 
 
 def _split(remaining: np.ndarray, size: int, rank: int) -> tuple[np.ndarray, int]:
@@ -35,15 +38,17 @@ class ElasticSampler:
 
     Call ``set_epoch(epoch)`` at the start of every epoch and ``record_batch(batch_index,
     batch_size)`` after each step; keep the sampler in the elastic state
-    (``ObjectState(sampler=...)`` or ``GluonState(..., sampler=...)``).
+    (``ObjectState(sampler=...)`` or ``GluonState(..., sampler=...)``). ``comm``: the job
+    (:class:`~.comm.Comm`); None uses the default comm.
     """
 
-    def __init__(self, dataset_len: int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, dataset_len: int, shuffle: bool = True, seed: int = 0, comm: Comm | None = None) -> None:
         if dataset_len < 0:
             raise ValueError(f"ElasticSampler: dataset_len={dataset_len} must be >= 0")
         self.dataset_len = int(dataset_len)
         self.shuffle = shuffle
         self.seed = seed
+        self._comm = comm
         self.epoch = 0
         self.remaining = self._order(0)
         self.split_size = 1
@@ -58,9 +63,9 @@ class ElasticSampler:
             return np.arange(self.dataset_len, dtype=np.int64)
         return np.random.default_rng((self.seed, epoch)).permutation(self.dataset_len).astype(np.int64)
 
-    @staticmethod
-    def _world() -> tuple[int, int]:
-        return (api.rank(), api.size()) if api.is_initialized() else (0, 1)
+    def _world(self) -> tuple[int, int]:
+        comm = resolve(self._comm)
+        return (comm.rank(), comm.size()) if comm.is_initialized() else (0, 1)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch``: all of its samples remain, split over the current size."""

@@ -1,4 +1,7 @@
-"""What an elastic job keeps across membership changes: save, restore, sync, commit."""
+"""What an elastic job keeps across membership changes: save, restore, sync, commit.
+
+The job is reached through a :class:`~.comm.Comm` given as ``comm=`` (the default comm
+when None, see :mod:`.comm`)."""
 
 from __future__ import annotations
 
@@ -8,24 +11,25 @@ from typing import Any
 
 import numpy as np
 
-from .. import api
 from ..errors import HostsUpdatedInterrupt, WorkersChangedError
 from . import codec
+from .comm import Comm, resolve
 
 
-def broadcast_object(obj: Any, name: str, root_rank: int = 0) -> Any:
+def broadcast_object(obj: Any, name: str, root_rank: int = 0, comm: Comm | None = None) -> Any:
     """Return root_rank's ``obj`` on every rank, sent as bytes through the servers.
 
     Encoded with :mod:`bps_gossip.elastic.codec` (msgpack, numpy arrays, tuples), never
     pickled: bytes that come through the servers are data, not code. A value it cannot
     encode is a TypeError on root_rank naming its type.
     """
-    if api.size() == 1:
+    comm = resolve(comm)
+    if comm.size() == 1:
         return obj
-    payload = codec.encode(obj) if api.rank() == root_rank else b""
-    length = api.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
+    payload = codec.encode(obj) if comm.rank() == root_rank else b""
+    length = comm.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
     data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(int(length[0]), dtype=np.uint8)
-    data = api.broadcast(data, f"{name}.bytes", root_rank)
+    data = comm.broadcast(data, f"{name}.bytes", root_rank)
     return codec.decode(data.tobytes())
 
 
@@ -39,11 +43,16 @@ class State:
     previous commit point stays (otherwise a rank that ran ahead, as ranks do in gossip
     mode, would keep a point the others never reached, and their steps since the last
     common commit would count as done). Subclasses keep what ``save()`` copies in
-    attributes named ``_saved...``, each assigned anew by every save.
+    attributes named ``_saved...``, each assigned anew by every save. ``comm``: the job
+    (:class:`~.comm.Comm`); None uses the default comm.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, comm: Comm | None = None) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._comm = comm
+
+    def _job(self) -> Comm:
+        return resolve(self._comm)
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call these after every reset (e.g. to scale the learning rate with the new size())."""
@@ -81,8 +90,9 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt when workers wait to join (same answer on every rank)."""
-        if api.is_initialized() and api.is_elastic() and api.commit_check():
-            raise HostsUpdatedInterrupt(f"workers are joining the job [on rank {api.rank()}]")
+        comm = self._job()
+        if comm.is_initialized() and comm.is_elastic() and comm.commit_check():
+            raise HostsUpdatedInterrupt(f"workers are joining the job [on rank {comm.rank()}]")
 
 
 def _stateful(value: Any) -> bool:
@@ -94,11 +104,12 @@ class ObjectState(State):
 
     Values with ``state_dict()``/``load_state_dict()`` (an :class:`ElasticSampler`) are
     saved and synced through those, in place, so that a DataLoader holding them sees the
-    change; their ``on_sync()`` runs after every sync.
+    change; their ``on_sync()`` runs after every sync. The keyword ``comm`` is not a value:
+    it is the job (see :class:`State`).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
+    def __init__(self, *, comm: Comm | None = None, **kwargs: Any) -> None:
+        super().__init__(comm=comm)
         self._names = list(kwargs)
         for key, value in kwargs.items():
             setattr(self, key, value)
@@ -130,8 +141,9 @@ class ObjectState(State):
 
     def sync(self) -> None:
         """Take rank 0's values and make them the saved copy too."""
-        if api.is_initialized() and api.size() > 1:
-            self._load(broadcast_object(self._snapshot(), "elastic.object_state"))
+        comm = self._job()
+        if comm.is_initialized() and comm.size() > 1:
+            self._load(broadcast_object(self._snapshot(), "elastic.object_state", comm=comm))
         for key in self._names:
             on_sync = getattr(getattr(self, key), "on_sync", None)
             if callable(on_sync):

@@ -6,6 +6,9 @@ z = x / w and hands the displacement back (``apply_update``); ``step`` then runs
 gossip round. With ``overlap`` the round is only started (its messages leave, the sent
 mass is taken out of x at once) and absorbed at a later step: at most ``synch_freq``
 rounds may stay open, so ``synch_freq=0`` means "one step stale", as in SGP.
+
+Messages and the exact collectives go through a :class:`~.link.Link` passed as ``link``
+(by default the link of the initialized worker, see :func:`.link.default_link`).
 """
 
 from __future__ import annotations
@@ -15,19 +18,20 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import api
 from .gossipers import PendingRound, PushPull, PushSum
 from .graphs import Graph, make_graph, symmetric_mixing_is_doubly_stochastic
+from .link import Link, default_link
 
 
 class GossipAverager:
     """Gossip averaging of named flat numpy buffers across all workers (collective: every
-    rank creates one with the same keys, shapes and arguments, and steps it in lockstep)."""
+    rank creates one with the same keys, shapes and arguments, and steps it in lockstep).
+    ``link``: the workers' link (:class:`~.link.Link`); None takes the default link."""
 
     def __init__(self, buffers: Mapping[str, np.ndarray], graph: str | Graph = "npdde", peers_per_itr: int = 1,
                  push_sum: bool = True, overlap: bool = False, synch_freq: int = 0, tag: str = "gossip",
-                 mixing: object = None) -> None:
-        self.link = api.peer_link()
+                 mixing: object = None, link: Link | None = None) -> None:
+        self.link = default_link() if link is None else link
         self.rank, self.size = self.link.rank, self.link.size
         self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq)
         self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
@@ -86,7 +90,7 @@ class GossipAverager:
             self.rnd += 1
             return
         if self.overlap:
-            while self.open and (len(self.open) > self.synch_freq or self._arrived(self.open[0])):
+            while self.open and (len(self.open) > self.synch_freq or self.open[0].arrived()):
                 self._absorb(self.open.popleft())
         pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight)
         self.rnd += 1
@@ -95,12 +99,8 @@ class GossipAverager:
         else:
             self._absorb(pending)
 
-    @staticmethod
-    def _arrived(pending: PendingRound) -> bool:
-        return pending.handle is None or pending.handle.done()
-
     def _absorb(self, pending: PendingRound) -> None:
-        self.weight = self.gossiper.absorb(pending, self.x, self.weight, api.wait_timeout())
+        self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
 
     def flush(self) -> None:
         """Absorb every open round (before evaluating, saving or stopping)."""
@@ -113,9 +113,9 @@ class GossipAverager:
         self.flush()
         if self.size == 1:
             return
-        total_weight = api.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]
+        total_weight = self.link.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]
         for key, value in self.x.items():
-            api.push_pull(value, f"{self.tag}.average.{key}", average=False, out=value)
+            self.link.push_pull(value, f"{self.tag}.average.{key}", average=False, out=value)
             value /= value.dtype.type(total_weight)
         self.weight = 1.0
 
@@ -126,7 +126,7 @@ class GossipAverager:
             return 0.0
         total, count = 0.0, 0
         for key, value in z.items():
-            mean = api.push_pull(value.astype(np.float64), f"{self.tag}.consensus.{key}", average=True)
+            mean = self.link.push_pull(value.astype(np.float64), f"{self.tag}.consensus.{key}", average=True)
             total += float(np.sum((value - mean) ** 2))
             count += value.size
         return float(np.sqrt(total / max(count, 1)))

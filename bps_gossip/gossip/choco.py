@@ -22,23 +22,24 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import api
 from ..compat import zip_exact
 from ..compression import CompressionSpec, rng_for
+from ..futures import wait
 from .averager import GossipAverager
+from .link import Link, default_link
 
 
 class ChocoAverager(GossipAverager):
     """Gossip averaging with compressed messages (collective: every rank creates one with the
     same keys, shapes and arguments, and steps it in lockstep). ``start_equal``: every rank
     starts from the same values (after a broadcast), so the public copies start there too;
-    otherwise they start at zero, as in CHOCO."""
+    otherwise they start at zero, as in CHOCO. ``link``: as for :class:`GossipAverager`."""
 
     def __init__(self, buffers: Mapping[str, np.ndarray], spec: CompressionSpec, gamma: float = 0.2,
-                 tag: str = "choco", start_equal: bool = False) -> None:
+                 tag: str = "choco", start_equal: bool = False, link: Link | None = None) -> None:
         if not 0 < gamma <= 1:
             raise ValueError(f"compressed gossip: gamma={gamma!r} must be in (0, 1]")
-        self.link = api.peer_link()
+        self.link = default_link() if link is None else link
         self.rank, self.size = self.link.rank, self.link.size
         self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
         for key, value in self.x.items():
@@ -58,7 +59,7 @@ class ChocoAverager(GossipAverager):
         rnd, self.rnd = self.rnd, self.rnd + 1
         if not self.neighbors:
             return
-        handle = self.link.expect(self.tag, rnd, self.neighbors)
+        future = self.link.expect(self.tag, rnd, self.neighbors)
         keys = list(self.x)
         mine = self.hat[self.rank]
         payload = []
@@ -69,7 +70,7 @@ class ChocoAverager(GossipAverager):
             payload.append(data)
         for peer in self.neighbors:
             self.link.send(peer, {"tag": self.tag, "round": rnd, "keys": keys}, payload)
-        received = handle.result(api.wait_timeout())
+        received = wait(future, self.link.timeout(), f"compressed gossip {self.tag!r} round {rnd}")
         for peer in self.neighbors:
             header, arrays = received[peer]
             if list(header.get("keys", ())) != keys or len(arrays) != len(keys):

@@ -8,7 +8,7 @@ while the next step computes (overlap) without breaking the mass balance.
 
 Peers on the same host get the payload through shared memory (``link.send_scaled``:
 one pass writes the scaled share); the receiver reads it in place and acknowledges it
-(``link.consumed``).
+(``link.consumed``). The link (see :mod:`.link`) is passed in: gossipers hold no global state.
 
 PushPull (D-PSGD): send the full x to each neighbour of a symmetric, regular round
 and replace x by the uniform average of itself and its neighbours: doubly stochastic,
@@ -17,6 +17,7 @@ so no weight is needed; x must not change between ``begin`` and ``absorb``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -24,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..compat import zip_exact
-from ..worker.futures import Future
+from ..futures import wait
 from .graphs import Graph, symmetric_mixing_is_doubly_stochastic
+from .link import Link
 from .mixing import UniformMixing
 
 
@@ -34,8 +36,16 @@ class PendingRound:
     """A round whose messages were sent and whose receipts may not be in yet."""
 
     rnd: int
-    handle: Future | None  # None when the round has no in-peers
+    future: concurrent.futures.Future | None  # the link's expect(); None when the round has no in-peers
     sources: list[int]
+
+    def arrived(self) -> bool:
+        """True when every in-peer's message is in (absorbing will not wait)."""
+        return self.future is None or self.future.done()
+
+    def wait(self, tag: str, timeout: float | None) -> Any:
+        """The expect() result: {source: (header, arrays)}."""
+        return wait(self.future, timeout, f"gossip {tag!r} round {self.rnd}")
 
 
 def _wire(header: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -45,7 +55,7 @@ def _wire(header: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 class PushSum:
     """Push-sum over a directed (possibly irregular) graph; see the module docstring."""
 
-    def __init__(self, graph: Graph, link: Any, tag: str, mixing: Any = None, track_weight: bool = True) -> None:
+    def __init__(self, graph: Graph, link: Link, tag: str, mixing: Any = None, track_weight: bool = True) -> None:
         self.graph = graph
         self.link = link
         self.tag = tag
@@ -57,7 +67,7 @@ class PushSum:
         rank = self.link.rank
         out_peers = self.graph.out_peers(rank, rnd)
         sources = self.graph.in_peers(rank, rnd)
-        handle = self.link.expect(self.tag, rnd, sources) if sources else None
+        future = self.link.expect(self.tag, rnd, sources) if sources else None
         kept, shares = self.mixing.weights(rank, out_peers)
         keys = list(x)
         cache: dict[float, list[np.ndarray]] = {}
@@ -74,14 +84,14 @@ class PushSum:
         for key in keys:
             x[key] *= x[key].dtype.type(kept)
         # Untracked (regular graph, closed at once): kept + received weights sum to 1 exactly.
-        return PendingRound(rnd, handle, sources), kept * weight if self.track_weight else weight
+        return PendingRound(rnd, future, sources), kept * weight if self.track_weight else weight
 
     def absorb(self, pending: PendingRound, x: Mapping[str, np.ndarray], weight: float,
                timeout: float | None = None) -> float:
         """Wait for the round's messages and add them to ``x``; returns the new weight."""
-        if pending.handle is None:
+        if pending.future is None:
             return weight
-        received = pending.handle.result(timeout)
+        received = pending.wait(self.tag, timeout)
         for src in pending.sources:
             header, arrays = received[src]
             for key, array in zip_exact(header["keys"], arrays):
@@ -95,7 +105,7 @@ class PushSum:
 class PushPull:
     """Symmetric averaging with the neighbours of each round (D-PSGD); see the module docstring."""
 
-    def __init__(self, graph: Graph, link: Any, tag: str) -> None:
+    def __init__(self, graph: Graph, link: Link, tag: str) -> None:
         if not symmetric_mixing_is_doubly_stochastic(graph):
             raise ValueError(f"push_sum=False needs neighbours of equal degree (doubly stochastic mixing); "
                              f"{graph.name!r} does not have them: use push_sum=True")
@@ -106,7 +116,7 @@ class PushPull:
     def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float) -> tuple[PendingRound, float]:
         """Send x to every neighbour of the round."""
         neighbours = self.graph.symmetric_peers(self.link.rank, rnd)
-        handle = self.link.expect(self.tag, rnd, neighbours) if neighbours else None
+        future = self.link.expect(self.tag, rnd, neighbours) if neighbours else None
         keys = list(x)
         header = _wire({"tag": self.tag, "round": rnd, "weight": None}, keys)
         arrays = None
@@ -117,14 +127,14 @@ class PushPull:
             if arrays is None:  # x is rewritten by absorb while the send may be in flight
                 arrays = [x[k].copy() for k in keys]
             self.link.send(peer, header, arrays)
-        return PendingRound(rnd, handle, neighbours), weight
+        return PendingRound(rnd, future, neighbours), weight
 
     def absorb(self, pending: PendingRound, x: Mapping[str, np.ndarray], weight: float,
                timeout: float | None = None) -> float:
         """Average x with what the neighbours sent."""
-        if pending.handle is None:
+        if pending.future is None:
             return weight
-        received = pending.handle.result(timeout)
+        received = pending.wait(self.tag, timeout)
         scale = 1.0 / (len(pending.sources) + 1)
         for src in pending.sources:
             header, arrays = received[src]

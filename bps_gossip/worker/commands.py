@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..futures import Future
 from ..transport.shm import OwnedSegment
-from .futures import Future
 from .operation import Operation
 
 

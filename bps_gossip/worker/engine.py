@@ -28,10 +28,10 @@ import zmq
 
 from ..config import Config
 from ..errors import BpsGossipError, NotInitializedError, PeerLostError, WorkersChangedError
+from ..futures import Future, complete, fail, wait
 from ..logs import get_logger
 from ..transport.shm import SegmentPool, shm_available
 from . import commands as cmd
-from .futures import Future, complete, fail, wait
 from .peer_endpoint import PeerEndpoint
 from .scheduler_link import Book, SchedulerLink
 from .server_links import ServerLinks

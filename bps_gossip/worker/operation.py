@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..futures import Future
 from ..transport.shm import OwnedSegment
-from .futures import Future
 
 
 @dataclasses.dataclass(eq=False)

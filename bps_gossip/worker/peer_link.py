@@ -12,9 +12,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 
 from ..compat import zip_exact
+from ..futures import Future
 from . import commands as cmd
 from .engine import Engine
-from .futures import Future
 
 Received = Dict[int, Tuple[Dict[str, Any], List[np.ndarray]]]
 

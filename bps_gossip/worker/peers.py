@@ -28,10 +28,10 @@ import zmq
 from .. import fields
 from ..compat import zip_exact
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
+from ..futures import Future, complete, fail
 from ..transport import send_message
 from ..transport.security import JobKeys, make_socket
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
-from .futures import Future, complete, fail
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this

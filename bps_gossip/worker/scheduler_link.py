@@ -27,12 +27,12 @@ from ..errors import (
     JobFailedError,
     PeerLostError,
 )
+from ..futures import Future, complete, fail
 from ..liveness import start_ticks
 from ..transport import recv_message, send_message
 from ..transport.receive import DropLog, drain
 from ..transport.security import HandshakeWatch, make_socket
 from ..transport.startup import StartupWait
-from .futures import Future, complete, fail
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,11 +34,11 @@ from ..errors import (
     TensorMismatchError,
     WorkersChangedError,
 )
+from ..futures import Future, complete, fail
 from ..transport import send_message
 from ..transport.receive import DropLog, drain
 from ..transport.security import make_socket
 from ..transport.shm import SegmentPool
-from .futures import Future, complete, fail
 from .operation import Operation
 from .scheduler_link import Book
 from .trace import Tracer, now_us

@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from ..errors import CommTimeoutError
+from .errors import CommTimeoutError
 
 Future = concurrent.futures.Future
 
