@@ -93,7 +93,7 @@ def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params:
             raise ValueError("compression_params: momentum='nesterov' takes mu from optimizer_params['momentum'], "
                              "which is not set")
         mu = float(optimizer_params.pop("momentum"))
-    if compressor != "onebit" and params.get("k") is None:
+    if CODECS[compressor].needs_k and params.get("k") is None:
         raise ValueError(f"compression_params: the {compressor} compressor needs k")
     seed = params.get("seed")
     spec = CompressionSpec(

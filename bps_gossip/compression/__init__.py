@@ -1,6 +1,6 @@
 """Gradient compression as BytePS does it: compressors, error feedback, Nesterov momentum."""
 
-from .codecs import CODECS, Codec
+from .codecs import CODECS, Codec, register_codec
 from .pipeline import (
            CompressionSpec,
            PartitionState,
@@ -11,4 +11,4 @@ from .pipeline import (
 )
 
 __all__ = ["CODECS", "Codec", "CompressionSpec", "PartitionState", "codec_from_header", "compress_on_worker",
-           "merge_on_server", "rng_for"]
+           "merge_on_server", "register_codec", "rng_for"]

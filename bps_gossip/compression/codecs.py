@@ -18,25 +18,75 @@ layouts are ours:
 
 Random draws come from numpy's PCG64 seeded by the caller (see pipeline.py), not from
 BytePS's xorshift128+: the same distributions, another generator.
+
+A codec is one class: besides the math it says how to build itself from a
+:class:`~bps_gossip.compression.CompressionSpec` (``check_spec``, ``from_spec``), what it
+writes into a push's header (``header_fields``) and how the server rebuilds it from that
+untrusted header (``from_header``). ``CODECS`` maps each name to its class; nothing else
+knows the names (docs/compression.md, "Adding a compressor").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
-CODECS = ("onebit", "topk", "randomk", "dithering")
+from .. import fields
+
+if TYPE_CHECKING:  # pipeline.py imports this module
+    from .pipeline import CompressionSpec
+
 MAX_LEVELS_BITS = 30  # dithering: s (linear) or 2^(s-1) (natural) levels must fit int32
+MAX_NAME_CHARS = 16  # what a server reads of a header's codec name
 
 
 class Codec:
-    """Compresses and decompresses partitions of ``n`` float elements."""
+    """Compresses and decompresses partitions of ``n`` float elements.
 
-    name = ""
+    A subclass sets ``name`` and ``needs_k`` and implements ``nbytes``, ``compress``,
+    ``decompress``, ``from_spec``, and, when it has settings, ``check_spec``,
+    ``header_fields`` and ``from_header``; then one entry in ``CODECS`` (or
+    :func:`register_codec`) makes it usable everywhere.
+    """
+
+    name: ClassVar[str] = ""
+    needs_k: ClassVar[bool] = False  # the user must give k (mxnet_plugin's compression_params)
 
     def __init__(self, n: int) -> None:
         self.n = n
+
+    @classmethod
+    def check_spec(cls, spec: CompressionSpec) -> None:
+        """Raise ValueError if ``spec``'s settings make no sense for this codec."""
+
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec, n: int) -> Codec:
+        """The codec of one partition of ``n`` elements under a (checked) ``spec``."""
+        return cls(n)
+
+    def header_fields(self) -> dict[str, Any]:
+        """This codec's settings in a push header: exactly what ``from_header`` reads back."""
+        return {}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any], n: int) -> Codec:
+        """The codec a push's untrusted header describes, for ``n`` elements: every field it
+        reads goes through bps_gossip.fields, which raises ProtocolError naming the field."""
+        return cls(n)
+
+    def __eq__(self, other: object) -> bool:
+        # The header is all a server knows of a codec, so it is the codec's identity.
+        return isinstance(other, Codec) and type(self) is type(other) and self.n == other.n \
+            and self.header_fields() == other.header_fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        settings = "".join(f", {key}={value!r}" for key, value in self.header_fields().items())
+        return f"{type(self).__name__}(n={self.n}{settings})"
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +114,17 @@ class OneBit(Codec):
         super().__init__(n)
         self.scaling = scaling
 
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec, n: int) -> Codec:
+        return cls(n, spec.scaling)
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"scaling": self.scaling}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any], n: int) -> Codec:
+        return cls(n, fields.flag(header, "scaling"))
+
     @property
     def nbytes(self) -> int:
         return 4 + (self.n + 7) // 8
@@ -85,9 +146,22 @@ class OneBit(Codec):
 class _Sparse(Codec):
     """k (index, value) pairs."""
 
+    needs_k = True
+
     def __init__(self, n: int, k: int) -> None:
         super().__init__(n)
         self.k = k
+
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec, n: int) -> Codec:
+        return cls(n, spec.count(n))
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"k": self.k}  # the count kept, not the spec's k (which may be a fraction)
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any], n: int) -> Codec:
+        return cls(n, fields.integer(header, "k", 1, n))
 
     @property
     def nbytes(self) -> int:
@@ -129,12 +203,30 @@ class RandomK(_Sparse):
 
 class Dithering(Codec):
     name = "dithering"
+    needs_k = True
 
     def __init__(self, n: int, s: int, natural: bool, l2: bool) -> None:
         super().__init__(n)
         self.s, self.natural, self.l2 = s, natural, l2
         self.top = 2 ** (s - 1) if natural else s  # the largest level
         self.level = np.dtype(np.int8 if self.top < 128 else np.int16 if self.top < 32768 else np.int32)
+
+    @classmethod
+    def check_spec(cls, spec: CompressionSpec) -> None:
+        if spec.k != int(spec.k) or not 1 <= spec.k <= MAX_LEVELS_BITS:
+            raise ValueError(f"dithering: k={spec.k!r} levels must be an integer in [1, {MAX_LEVELS_BITS}]")
+
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec, n: int) -> Codec:
+        return cls(n, int(spec.k), spec.natural, spec.l2)
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"k": self.s, "natural": self.natural, "l2": self.l2}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any], n: int) -> Codec:
+        return cls(n, fields.integer(header, "k", 1, MAX_LEVELS_BITS), fields.flag(header, "natural"),
+                   fields.flag(header, "l2"))
 
     @property
     def nbytes(self) -> int:
@@ -169,3 +261,24 @@ class Dithering(Codec):
         if levels.size and int(np.abs(levels.astype(np.int64)).max()) > self.top:
             raise ValueError(f"dithering: a level above {self.top}")
         return (levels.astype(np.float32) * (norm / np.float32(self.top))).astype(np.float32)
+
+
+CodecT = TypeVar("CodecT", bound=Codec)
+
+# The registry: a compressor's name -> its class. A codec defined here gets its entry in
+# this literal; one defined elsewhere calls register_codec.
+CODECS: dict[str, type[Codec]] = {"onebit": OneBit, "topk": TopK, "randomk": RandomK, "dithering": Dithering}
+
+
+def register_codec(cls: type[CodecT]) -> type[CodecT]:
+    """Add a :class:`Codec` subclass to ``CODECS`` under its ``name`` (usable as a class
+    decorator). Workers and servers must register the same codecs."""
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"{cls!r} is not a Codec class")
+    name = cls.name
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"codec name {name!r} must be a string of 1 to {MAX_NAME_CHARS} characters")
+    if name in CODECS and CODECS[name] is not cls:
+        raise ValueError(f"codec {name!r} is already registered ({CODECS[name].__name__})")
+    CODECS[name] = cls
+    return cls

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import fields
 from ..errors import ProtocolError
-from .codecs import CODECS, MAX_LEVELS_BITS, Codec, Dithering, OneBit, RandomK, TopK
+from .codecs import CODECS, MAX_NAME_CHARS, Codec
 
 MAX_PARTITION_ELEMENTS = 1 << 26  # what a server decompresses one push into: at most 256 MiB
 
@@ -49,8 +49,7 @@ class CompressionSpec:
         if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not self.k > 0 \
                 or not np.isfinite(self.k):
             raise ValueError(f"k={self.k!r} must be a positive number")
-        if self.compressor == "dithering" and (self.k != int(self.k) or not 1 <= self.k <= MAX_LEVELS_BITS):
-            raise ValueError(f"dithering: k={self.k!r} levels must be an integer in [1, {MAX_LEVELS_BITS}]")
+        CODECS[self.compressor].check_spec(self)
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise ValueError(f"momentum mu={self.momentum!r} must be in [0, 1)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
@@ -63,19 +62,16 @@ class CompressionSpec:
 
     def codec(self, n: int) -> Codec:
         """The codec of one partition of ``n`` elements."""
-        if self.compressor == "onebit":
-            return OneBit(n, self.scaling)
-        if self.compressor == "topk":
-            return TopK(n, self.count(n))
-        if self.compressor == "randomk":
-            return RandomK(n, self.count(n))
-        return Dithering(n, int(self.k), self.natural, self.l2)
+        return CODECS[self.compressor].from_spec(self, n)
 
     def header(self, n: int) -> dict[str, Any]:
-        """What a push tells the server about its partition's compression."""
-        codec = self.codec(n)
-        return {"name": self.compressor, "n": n, "k": getattr(codec, "k", getattr(codec, "s", 0)),
-                "scaling": self.scaling, "ef": self.ef, "seed": self.seed, "natural": self.natural, "l2": self.l2}
+        """What a push tells the server about its partition's compression: the codec's own
+        fields over the settings every header has carried since the first wire format
+        (k=0 and the spec's flags, in this key order), then ``ef`` and ``seed``."""
+        header = {"name": self.compressor, "n": n, "k": 0, "scaling": self.scaling, "ef": self.ef, "seed": self.seed,
+                  "natural": self.natural, "l2": self.l2}
+        header.update(self.codec(n).header_fields())  # keeps the order of the keys it overwrites
+        return header
 
     def describe(self) -> str:
         """Text for signatures and errors: ranks must agree on it."""
@@ -141,24 +137,16 @@ def codec_from_header(msg: Mapping[str, Any], count: int) -> tuple[Codec, bool, 
     spec = msg.get("codec")
     if not isinstance(spec, dict):
         raise ProtocolError("field 'codec' must be a map")
-    name = fields.text(spec, "name", 16)
+    name = fields.text(spec, "name", MAX_NAME_CHARS)
     if name not in CODECS:
         raise ProtocolError(f"unknown compressor {name!r}")
     n = fields.integer(spec, "n", 1, MAX_PARTITION_ELEMENTS)
-    k = fields.integer(spec, "k", 0, 1 << 31)
     seed = fields.optional_integer(spec, "seed", 0, fields.MAX_INT)
-    ef, scaling = fields.flag(spec, "ef"), fields.flag(spec, "scaling")
-    natural, l2 = fields.flag(spec, "natural"), fields.flag(spec, "l2")
-    if name == "onebit":
-        codec: Codec = OneBit(n, scaling)
-    elif name in ("topk", "randomk"):
-        if not 1 <= k <= n:
-            raise ProtocolError(f"{name}: k={k} outside [1, {n}]")
-        codec = TopK(n, k) if name == "topk" else RandomK(n, k)
-    else:
-        if not 1 <= k <= MAX_LEVELS_BITS:
-            raise ProtocolError(f"dithering: {k} levels outside [1, {MAX_LEVELS_BITS}]")
-        codec = Dithering(n, k, natural, l2)
+    ef = fields.flag(spec, "ef")
+    try:
+        codec = CODECS[name].from_header(spec, n)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{name}: {exc}") from None
     if codec.nbytes != count:
         raise ProtocolError(f"{name} of {n} elements takes {codec.nbytes} bytes, the push has {count}")
     return codec, ef, seed
