@@ -27,6 +27,7 @@ from .. import fields
 from ..errors import ProtocolError
 from .codecs import CODECS, MAX_NAME_CHARS, Codec
 
+MAX_HEADER_FIELDS = 16  # a codec header's entries (workers send 8)
 MAX_PARTITION_ELEMENTS = 1 << 26  # what a server decompresses one push into: at most 256 MiB
 
 
@@ -143,7 +144,11 @@ def codec_from_header(msg: Mapping[str, Any], count: int) -> tuple[Codec, bool, 
     n = fields.integer(spec, "n", 1, MAX_PARTITION_ELEMENTS)
     seed = fields.optional_integer(spec, "seed", 0, fields.MAX_INT)
     ef = fields.flag(spec, "ef")
+    if len(spec) > MAX_HEADER_FIELDS:
+        raise ProtocolError(f"field 'codec' has {len(spec)} entries, more than {MAX_HEADER_FIELDS}")
     try:
+        for flag in ("scaling", "natural", "l2"):  # every worker sends them all; a codec reads its own
+            fields.flag(spec, flag)
         codec = CODECS[name].from_header(spec, n)
     except ProtocolError as exc:
         raise ProtocolError(f"{name}: {exc}") from None
