@@ -160,6 +160,12 @@ def main() -> int:
             procs[label].wait(60)
     finally:
         kill_groups(procs.values())
+    return report(procs, labels, samples, logdir, args.interval)
+
+
+def report(procs: dict[str, subprocess.Popen], labels: list[str], samples: list[list[float | None]],
+           logdir: Path, interval: float) -> int:
+    """Print the exit codes, the workers' results and how much each process grew; 0 if all is well."""
     codes = {label: proc.returncode for label, proc in procs.items()}
     results = []
     for index in range(3):
@@ -170,12 +176,11 @@ def main() -> int:
     print("workers:", results)
     warm = samples[min(1, len(samples) - 1)]
     last = samples[-1]
-    print("growth from the sample at minute", f"{args.interval * min(1, len(samples) - 1) / 60:.1f}", "to the last:")
+    print("growth from the sample at minute", f"{interval * min(1, len(samples) - 1) / 60:.1f}", "to the last:")
     for label, first, end in zip_exact(labels, warm, last):
         if first is not None and end is not None:
             print(f"  {label:>9}: {first:7.1f} -> {end:7.1f} MiB ({end - first:+.1f})")
     return 0 if all(code == 0 for code in codes.values()) and len(results) == 3 else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
