@@ -195,13 +195,14 @@ class Rounds:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
             return None
-        rnd.pushes[who.rank] = who
         if rnd.error is not None:  # the round failed already: this push only hears why
+            rnd.pushes[who.rank] = who
             self._error(who, "mismatch", rnd.error)
             if len(rnd.pushes) >= rnd.expected:
                 self.rounds.pop(rid, None)
             return None
-        rnd.error = rnd.mismatch(who.rank, push.signature, push.wire, push.count)
+        rnd.error = rnd.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
+        rnd.pushes[who.rank] = who
         if rnd.error is not None:
             self.fail(rnd, "mismatch", rnd.error)
             return None
