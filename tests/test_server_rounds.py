@@ -103,3 +103,8 @@ def test_malformed_push_is_answered_with_its_req(rig):
     rounds.malformed(b"r", {"op": "push", "req": 5}, ValueError("bad"))
     rounds.malformed(b"r", {"op": "push", "req": "5"}, ValueError("bad"))
     assert [(msg.req, msg.kind) for _, msg, _ in replies] == [(5, "protocol"), (0, "protocol")]
+
+
+def test_every_small_push_is_summed_inline():
+    from bps_gossip.aggregation import SMALL_PUSH_BYTES
+    assert INLINE_BYTES >= SMALL_PUSH_BYTES  # no hop to the pool and back for what workers send unacknowledged

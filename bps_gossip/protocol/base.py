@@ -159,7 +159,14 @@ class Message:
     def decode(cls: type[M], header: Mapping[str, Any]) -> M:
         """Read and check a received header; ProtocolError (naming op and field) if it is bad."""
         try:
-            return cls(**{name: read(header, wire) for name, wire, read in cls._spec})
+            # Every field's reader gives its value or default, so the dataclass __init__ (one
+            # frozen setattr per field: most of the time of a small push) has nothing to add.
+            msg = object.__new__(cls)
+            msg.__dict__.update({name: read(header, wire) for name, wire, read in cls._spec})
+            post = getattr(msg, "__post_init__", None)
+            if post is not None:
+                post()
+            return msg
         except ProtocolError as exc:
             raise ProtocolError(f"{cls.op.value} message: {exc}") from None
 
