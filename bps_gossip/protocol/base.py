@@ -75,9 +75,14 @@ def _field(read: Reader, default: Any, wire: str | None) -> Any:
 
 def integer(low: int = 0, high: int = fields.MAX_INT, default: Any = _REQUIRED, wire: str | None = None) -> Any:
     """An int field in [low, high] (required unless ``default`` is given)."""
-    if default is _REQUIRED:
-        return _field(lambda m, k: fields.integer(m, k, low, high), default, wire)
-    return _field(lambda m, k: fields.integer(m, k, low, high, default), default, wire)
+    extra = () if default is _REQUIRED else (default,)
+
+    def read(msg: Mapping[str, Any], key: str) -> int:
+        value = msg.get(key)
+        if type(value) is int and low <= value <= high:  # a push has a dozen: spare the call
+            return value
+        return fields.integer(msg, key, low, high, *extra)  # a default, or the error naming the field
+    return _field(read, default, wire)
 
 
 def optional_integer(low: int = 0, high: int = fields.MAX_INT, wire: str | None = None) -> Any:
@@ -87,9 +92,14 @@ def optional_integer(low: int = 0, high: int = fields.MAX_INT, wire: str | None 
 
 def text(max_chars: int = 256, default: Any = _REQUIRED, wire: str | None = None) -> Any:
     """A str field of at most ``max_chars`` characters."""
-    if default is _REQUIRED:
-        return _field(lambda m, k: fields.text(m, k, max_chars), default, wire)
-    return _field(lambda m, k: fields.text(m, k, max_chars, default), default, wire)
+    extra = () if default is _REQUIRED else (default,)
+
+    def read(msg: Mapping[str, Any], key: str) -> str:
+        value = msg.get(key)
+        if type(value) is str and len(value) <= max_chars:
+            return value
+        return fields.text(msg, key, max_chars, *extra)
+    return _field(read, default, wire)
 
 
 def optional_text(max_chars: int = 256) -> Any:

@@ -56,7 +56,7 @@ class Server:
         self.rank = -1
         self.running = True
         self.last_ack = time.monotonic()
-        self.handlers = handlers({Push: lambda route, push, frames: self.rounds.on_push(route, push, frames),
+        self.handlers = handlers({Push: self.rounds.on_push,
                                   Stats: self._on_stats},
                                  malformed={Push: self.rounds.malformed})
         self.scheduler_handlers = handlers({
