@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Dict, List, TypeVar
 
@@ -120,19 +119,12 @@ def optional_flag() -> Any:
 
 
 def number(default: Any = _REQUIRED, optional: bool = False) -> Any:
-    """A finite float (an int is taken as one); with ``optional``, None too."""
-    def read(msg: Mapping[str, Any], key: str) -> float | None:
-        if optional and msg.get(key) is None:
-            return None
-        value = msg.get(key, default)
-        if value is _REQUIRED:
-            raise ProtocolError(f"field {key!r} is missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"field {key!r} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise ProtocolError(f"field {key!r}={value} is not finite")
-        return float(value)
-    return _field(read, None if optional else default, None)
+    """A finite float field (an int is taken as one); with ``optional``, None too."""
+    if optional:
+        return _field(lambda m, k: None if m.get(k) is None else fields.number(m, k), None, None)
+    if default is _REQUIRED:
+        return _field(fields.number, default, None)
+    return _field(lambda m, k: fields.number(m, k, default), default, None)
 
 
 def integers(max_items: int, low: int = 0, high: int = fields.MAX_INT, optional: bool = False) -> Any:
