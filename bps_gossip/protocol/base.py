@@ -22,7 +22,7 @@ from ..transport.framing import send_message
 _REQUIRED = object()
 MAX_WHY = 1 << 16  # characters of an explanation ('why')
 MAX_RANK = 1 << 20
-Reader = Callable[[Mapping[str, Any], str], Any]
+Reader = Callable[[Dict[str, Any], str], Any]  # (header, field) -> value
 
 
 class Op(str, enum.Enum):
