@@ -25,13 +25,14 @@ from .protocol import (
     Heartbeat,
     JobFailed,
     JobOver,
+    Message,
+    Op,
     Refused,
     Register,
     Terminate,
     Wait,
     send,
 )
-from .protocol.base import Message, Op, op_of
 from .transport import recv_message
 from .transport.security import HandshakeWatch
 from .transport.startup import StartupWait
@@ -104,7 +105,7 @@ class BookWait:
 
     def _receive(self) -> AddressBook | None:
         _, header, _ = recv_message(self.sock, routed=False)
-        answer = self.answers.get(op_of(header))
+        answer = self.answers.get(header["op"])  # a str (framing checked it); Op keys find it
         if answer is None:
             return None
         cls, handle = answer

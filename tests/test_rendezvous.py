@@ -13,7 +13,7 @@ from bps_gossip import protocol as p
 from bps_gossip.config import Config
 from bps_gossip.errors import ConfigError, JobEndedError, JobFailedError, ProtocolError
 from bps_gossip.rendezvous import join
-from bps_gossip.transport import recv_message
+from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.sockets import SocketRole, open_socket
 
 BOOK = p.AddressBook(rank=0, generation=1, servers=["tcp://127.0.0.1:1"],
@@ -21,7 +21,7 @@ BOOK = p.AddressBook(rank=0, generation=1, servers=["tcp://127.0.0.1:1"],
 LOG = logging.getLogger("test-rendezvous")
 
 
-def scripted(answers: list[p.Message], heartbeats: int = 0):
+def scripted(answers: list, heartbeats: int = 0):
     """Bind a scheduler that waits for a register (and ``heartbeats`` heartbeats), then sends
     ``answers``; returns (config, thread, what it received)."""
     ctx = zmq.Context.instance()
@@ -37,7 +37,10 @@ def scripted(answers: list[p.Message], heartbeats: int = 0):
             while received.count("heartbeat") < heartbeats and sock.poll(10_000):
                 received.append(recv_message(sock, routed=True)[1]["op"])
             for answer in answers:
-                p.send(sock, answer, route=route)
+                if isinstance(answer, dict):  # raw: an op of a newer scheduler
+                    send_message(sock, answer, route=route)
+                else:
+                    p.send(sock, answer, route=route)
         finally:
             sock.close(linger=1000)
 
@@ -71,7 +74,7 @@ def test_book_after_heartbeats():
 
 @pytest.mark.timeout(30)
 def test_a_joiner_told_to_wait_is_admitted_later():
-    config, thread, _ = scripted([p.Wait(why="running"), p.HbAck(), BOOK])
+    config, thread, _ = scripted([p.Wait(why="running"), {"op": "from_the_future"}, p.HbAck(), BOOK])
     admitted = run_join(config)
     thread.join(10)
     assert admitted.book == BOOK and admitted.waited
