@@ -156,6 +156,7 @@ class Message:
 
     op: ClassVar[Op]
     _spec: ClassVar[tuple[tuple[str, str, Reader], ...]] = ()
+    _wire_op: ClassVar[str] = ""
 
     @classmethod
     def decode(cls: type[M], header: Mapping[str, Any]) -> M:
@@ -174,9 +175,10 @@ class Message:
 
     def encode(self) -> dict[str, Any]:
         """The header to send (fields that are None are left out)."""
-        header: dict[str, Any] = {"op": self.op.value}
+        header: dict[str, Any] = {"op": self._wire_op}
+        values = self.__dict__
         for name, wire, _ in self._spec:
-            value = getattr(self, name)
+            value = values[name]
             if value is not None:
                 header[wire] = value
         return header
@@ -196,6 +198,7 @@ def message(op: Op) -> Callable[[type[M]], type[M]]:
     def wrap(cls: type[M]) -> type[M]:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.op = op
+        cls._wire_op = op.value  # a plain str: what msgpack packs, without the enum's lookup
         cls._spec = tuple((f.name, f.metadata.get("wire") or f.name, f.metadata["read"])
                           for f in dataclasses.fields(cls))
         if op in MESSAGES:
