@@ -23,8 +23,9 @@ SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use
 
 
 @dataclasses.dataclass
-class Push:
-    """One worker's contribution to a round."""
+class Contribution:
+    """One worker's push in a round: who (rank, connection), its request id, and where its
+    result goes."""
 
     rank: int
     route: bytes
@@ -52,7 +53,7 @@ class Round:
         self.sig = sig
         self.wire = np.dtype(wire)
         self.count = count
-        self.pushes: dict[int, Push] = {}
+        self.pushes: dict[int, Contribution] = {}  # by rank
         self.acc: np.ndarray | None = None
         self.added = 0
         self.error: str | None = None

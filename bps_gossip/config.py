@@ -16,6 +16,7 @@ import math
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .transport.security import JobKeys
@@ -227,6 +228,47 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     role = (_get(env, "DMLC_ROLE") or "worker").lower()
     if role not in ROLES:
         raise ConfigError(f"DMLC_ROLE={env.get('DMLC_ROLE')!r} must be one of {', '.join(ROLES)}")
+    shape = _shape(env)
+    log_level = (_get(env, "BYTEPS_LOG_LEVEL") or "WARNING").upper()
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"BYTEPS_LOG_LEVEL={env.get('BYTEPS_LOG_LEVEL')!r} must be one of {', '.join(LOG_LEVELS)}")
+    port = _int(env, "BPS_GOSSIP_PORT", 0, minimum=0)
+    if port > 65535:
+        raise ConfigError(f"BPS_GOSSIP_PORT={port} is not a TCP port (0-65535)")
+    config = Config(
+        role=role,
+        **shape,
+        node_host=_host(env, "DMLC_NODE_HOST", "") or _default_node_host(shape["root_uri"], shape["root_port"]),
+        partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
+        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
+        server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
+        log_level=log_level,
+        force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
+        min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
+        **_timeouts(env),
+        port=port,
+        shm=_bool(env, "BPS_GOSSIP_SHM", True),
+        **_elastic(env, shape["num_worker"] * shape["local_size"]),
+        start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
+        use_kubernetes=_bool(env, "DMLC_USE_KUBERNETES", False),
+        **_trace(env),
+        mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
+        max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
+        keys=_job_keys(env),
+    )
+    if role != "worker" or config.distributed:
+        if config.root_port is None:
+            raise ConfigError(
+                f"DMLC_PS_ROOT_PORT is not set (needed by the {role} to reach the scheduler "
+                f"at DMLC_PS_ROOT_URI={config.root_uri})"
+            )
+        if config.num_server < 1:
+            raise ConfigError(f"DMLC_NUM_SERVER={config.num_server} must be >= 1 for a distributed job")
+    return config
+
+
+def _shape(env: Mapping[str, str]) -> dict[str, Any]:
+    """The job's shape and where the scheduler is: DMLC_* and BYTEPS_LOCAL_*."""
     num_worker = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
     num_server = _int(env, "DMLC_NUM_SERVER", 1, minimum=0)
     root_uri = _host(env, "DMLC_PS_ROOT_URI", "127.0.0.1")
@@ -242,9 +284,12 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     worker_id = _int(env, "DMLC_WORKER_ID", None, minimum=0)
     if worker_id is not None and worker_id >= num_worker:
         raise ConfigError(f"DMLC_WORKER_ID={worker_id} must be smaller than DMLC_NUM_WORKER={num_worker}")
-    log_level = (_get(env, "BYTEPS_LOG_LEVEL") or "WARNING").upper()
-    if log_level not in LOG_LEVELS:
-        raise ConfigError(f"BYTEPS_LOG_LEVEL={env.get('BYTEPS_LOG_LEVEL')!r} must be one of {', '.join(LOG_LEVELS)}")
+    return {"num_worker": num_worker, "num_server": num_server, "root_uri": root_uri, "root_port": root_port,
+            "worker_id": worker_id, "local_rank": local_rank, "local_size": local_size}
+
+
+def _timeouts(env: Mapping[str, str]) -> dict[str, float]:
+    """Heartbeats, BPS_GOSSIP_TIMEOUT and the stall timeout below it."""
     heartbeat_interval = _float(env, "BPS_GOSSIP_HEARTBEAT_INTERVAL", 1.0)
     heartbeat_timeout = _float(env, "BPS_GOSSIP_HEARTBEAT_TIMEOUT", 10.0)
     if heartbeat_timeout <= heartbeat_interval:
@@ -252,68 +297,34 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             f"BPS_GOSSIP_HEARTBEAT_TIMEOUT={heartbeat_timeout} must exceed "
             f"BPS_GOSSIP_HEARTBEAT_INTERVAL={heartbeat_interval}"
         )
-    port = _int(env, "BPS_GOSSIP_PORT", 0, minimum=0)
-    if port > 65535:
-        raise ConfigError(f"BPS_GOSSIP_PORT={port} is not a TCP port (0-65535)")
-    elastic = _bool(env, "BPS_GOSSIP_ELASTIC", False)
     timeout = _float(env, "BPS_GOSSIP_TIMEOUT", 60.0)
     stall_timeout = _float(env, "BPS_GOSSIP_STALL_TIMEOUT", timeout / 2, positive=False)
     if stall_timeout < 0 or stall_timeout >= timeout:
         raise ConfigError(f"BPS_GOSSIP_STALL_TIMEOUT={stall_timeout:g} must be >= 0 (0: off) and below "
                           f"BPS_GOSSIP_TIMEOUT={timeout:g}: waiting workers fail at the timeout")
+    return {"heartbeat_interval": heartbeat_interval, "heartbeat_timeout": heartbeat_timeout,
+            "timeout": timeout, "stall_timeout": stall_timeout}
+
+
+def _elastic(env: Mapping[str, str], initial_workers: int) -> dict[str, Any]:
+    """BPS_GOSSIP_ELASTIC and its bounds."""
+    elastic = _bool(env, "BPS_GOSSIP_ELASTIC", False)
     min_workers = _int(env, "BPS_GOSSIP_MIN_WORKERS", 1, minimum=1)
     max_workers = _int(env, "BPS_GOSSIP_MAX_WORKERS", 0, minimum=0)
     if max_workers and max_workers < min_workers:
         raise ConfigError(f"BPS_GOSSIP_MAX_WORKERS={max_workers} is below BPS_GOSSIP_MIN_WORKERS={min_workers}")
-    if elastic and max_workers and num_worker * local_size > max_workers:
-        raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {num_worker * local_size} initial workers "
+    if elastic and max_workers and initial_workers > max_workers:
+        raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {initial_workers} initial workers "
                           f"exceed BPS_GOSSIP_MAX_WORKERS={max_workers}")
+    return {"elastic": elastic, "min_workers": min_workers, "max_workers": max_workers,
+            "elastic_timeout": _float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0)}
+
+
+def _trace(env: Mapping[str, str]) -> dict[str, Any]:
+    """BytePS's BYTEPS_TRACE_*."""
     trace_start = _int(env, "BYTEPS_TRACE_START_STEP", 10, minimum=1)
     trace_end = _int(env, "BYTEPS_TRACE_END_STEP", 20, minimum=1)
     if trace_end <= trace_start:
         raise ConfigError(f"BYTEPS_TRACE_END_STEP={trace_end} must exceed BYTEPS_TRACE_START_STEP={trace_start}")
-    config = Config(
-        role=role,
-        num_worker=num_worker,
-        num_server=num_server,
-        root_uri=root_uri,
-        root_port=root_port,
-        worker_id=worker_id,
-        node_host=_host(env, "DMLC_NODE_HOST", "") or _default_node_host(root_uri, root_port),
-        local_rank=local_rank,
-        local_size=local_size,
-        partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
-        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
-        server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
-        log_level=log_level,
-        force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
-        min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
-        timeout=timeout,
-        stall_timeout=stall_timeout,
-        heartbeat_interval=heartbeat_interval,
-        heartbeat_timeout=heartbeat_timeout,
-        port=port,
-        shm=_bool(env, "BPS_GOSSIP_SHM", True),
-        elastic=elastic,
-        min_workers=min_workers,
-        max_workers=max_workers,
-        elastic_timeout=_float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
-        start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
-        use_kubernetes=_bool(env, "DMLC_USE_KUBERNETES", False),
-        trace_on=_bool(env, "BYTEPS_TRACE_ON", False),
-        trace_start=trace_start,
-        trace_end=trace_end,
-        trace_dir=_get(env, "BYTEPS_TRACE_DIR") or ".",
-        mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
-        max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
-        keys=_job_keys(env),
-    )
-    if role != "worker" or config.distributed:
-        if root_port is None:
-            raise ConfigError(
-                f"DMLC_PS_ROOT_PORT is not set (needed by the {role} to reach the scheduler "
-                f"at DMLC_PS_ROOT_URI={root_uri})"
-            )
-        if num_server < 1:
-            raise ConfigError(f"DMLC_NUM_SERVER={num_server} must be >= 1 for a distributed job")
-    return config
+    return {"trace_on": _bool(env, "BYTEPS_TRACE_ON", False), "trace_start": trace_start, "trace_end": trace_end,
+            "trace_dir": _get(env, "BYTEPS_TRACE_DIR") or "."}

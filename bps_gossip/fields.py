@@ -10,6 +10,7 @@ converts: a field is accepted only as the exact type it must be.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,16 @@ def integer(msg: Mapping[str, Any], key: str, low: int = 0, high: int = MAX_INT,
     if not low <= value <= high:
         raise ProtocolError(f"field {key!r}={value} is outside [{low}, {high}]")
     return value
+
+
+def number(msg: Mapping[str, Any], key: str, default: Any = _MISSING) -> float:
+    """A finite float (an int, not a bool, is taken as one): never inf or nan."""
+    value = _get(msg, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"field {key!r} must be a number, got {type(value).__name__}")
+    if isinstance(value, int) and abs(value) > MAX_INT or not math.isfinite(value):
+        raise ProtocolError(f"field {key!r}={value} is not a finite number")
+    return float(value)
 
 
 def optional_integer(msg: Mapping[str, Any], key: str, low: int = 0, high: int = MAX_INT) -> int | None:

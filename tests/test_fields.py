@@ -70,3 +70,16 @@ def test_missing_fields_and_defaults():
     assert fields.text({"x": "abc"}, "x", 3) == "abc"
     with pytest.raises(ProtocolError, match="more than 3"):
         fields.text({"x": "abcd"}, "x", 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_number_accepts_only_finite_numbers(value):
+    import math
+    try:
+        got = fields.number({"x": value}, "x")
+    except ProtocolError:
+        assert isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or abs(value) > fields.MAX_INT
+        return
+    assert isinstance(got, float) and math.isfinite(got)

@@ -1,5 +1,9 @@
 """The receive loop every role shares: read what is waiting, dispatch by ``op`` from one table.
 
+A role's table comes from :func:`bps_gossip.protocol.handlers`: keyed by
+:class:`~bps_gossip.protocol.Op`, each entry decodes the header into its message class
+(checking every field) before its handler runs.
+
 A message that is not ours, names an op the table does not have, or fails a handler's
 field checks (ProtocolError, and the KeyError/TypeError/ValueError of a bad field) is
 dropped; a flood of them costs one log line per second, not one per message, and never

@@ -1,0 +1,187 @@
+"""The messages that carry tensors: a worker's push and a server's replies, and gossip between
+workers. See :mod:`bps_gossip.server` and :mod:`bps_gossip.worker.peers`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import fields
+from ..errors import ProtocolError
+from .base import (
+    MAX_RANK,
+    MAX_WHY,
+    Message,
+    Op,
+    custom,
+    integer,
+    integers,
+    message,
+    number,
+    optional_flag,
+    optional_integer,
+    optional_text,
+    strings,
+    text,
+)
+
+MAX_GENERATION = 1 << 40
+MAX_ELEMENTS = 1 << 40
+MAX_ARRAYS = 1024  # arrays in one gossip message
+ERROR_KINDS = ("mismatch", "lost", "timeout", "protocol", "changed")
+
+
+def wire_dtype(name: str, what: str = "wire dtype") -> np.dtype:
+    """The numpy dtype a message names, if it is one tensors travel as (float, int, uint, bool)."""
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"{what} {name[:32]!r} is no dtype") from None
+    if dtype.kind not in "fiub":
+        raise ProtocolError(f"unsupported {what} {dtype}")
+    return dtype
+
+
+def _codec_spec(msg: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    spec = msg.get(key)
+    if spec is not None and not isinstance(spec, dict):
+        raise ProtocolError(f"field {key!r} must be a map")
+    return spec  # its fields are read by compression.codec_from_header, which builds the codec
+
+
+@message(Op.PUSH)
+class Push(Message):
+    """One partition of a worker's tensor for one round; the payload is the one frame that
+    follows, or (``shm``) a region of the worker's own shared-memory segment on this host.
+    A small push (``ack`` false) gets no acknowledgement: its result is the answer."""
+
+    req: int = integer()  # the worker's request id, echoed in every reply
+    gen: int = integer(0, MAX_GENERATION)
+    key: int = integer()
+    part: int = integer(0, 1 << 32)
+    seq: int = integer()  # the round number of this tensor on this worker
+    name: str = text(1024)
+    count: int = integer(0, MAX_ELEMENTS)  # elements of the wire dtype
+    wire: str = text(16)  # the dtype on the wire
+    dtype: str = text(16)  # the tensor's own dtype, shape and operation: every rank must agree
+    shape: list[int] = integers(32)
+    kind: str = text(1024)
+    ack: bool = custom(lambda m, k: fields.flag(m, k, True), True)
+    codec: dict[str, Any] | None = custom(_codec_spec, None)  # compressed: the codec's parameters
+    shm: str | None = optional_text(256)  # the worker's segment holding the payload
+    offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
+
+    def __post_init__(self) -> None:
+        dtype = wire_dtype(self.wire)
+        object.__setattr__(self, "wire", dtype.str)  # one spelling per dtype: rounds compare it
+        self._check(self.shm is None or self.offset is not None, "a shared-memory push needs an offset")
+        self._check(self.codec is None or (self.shm is None and dtype == np.uint8),
+                    "compressed pushes come as uint8 frames")
+
+    @property
+    def signature(self) -> dict[str, Any]:
+        """What every rank's push of this round must agree on (besides wire and count)."""
+        return {"dtype": self.dtype, "shape": self.shape, "kind": self.kind}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload."""
+        return self.count * np.dtype(self.wire).itemsize
+
+    def check_payload(self, frames: list[Any]) -> None:
+        """A push over TCP carries exactly its payload in one frame."""
+        size = len(frames[0]) if frames else 0
+        if self.shm is None and size != self.nbytes:
+            raise ProtocolError(f"push: payload of {size} bytes does not hold {self.count} x {self.wire}")
+
+
+@message(Op.ACK)
+class Ack(Message):
+    """A server received push ``req`` (the worker's credit comes back)."""
+
+    req: int = integer()
+
+
+@message(Op.RESULT)
+class Result(Message):
+    """The sum of push ``req``'s round: in the frame that follows, or (``shm``) in the worker's
+    own shared-memory region of the push."""
+
+    req: int = integer()
+    shm: bool | None = optional_flag()
+
+
+@message(Op.ERROR)
+class Error(Message):
+    """Push ``req`` failed: ``kind`` is one of ERROR_KINDS (the worker raises the matching error)."""
+
+    req: int = integer()
+    kind: str = text(16)
+    why: str = text(MAX_WHY, "")
+
+
+def _parts(msg: Mapping[str, Any], key: str) -> dict[str, list[int]] | None:
+    value = msg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 1 << 20:
+        raise ProtocolError(f"field {key!r} must be a map of at most {1 << 20} tensors")
+    parts = {}
+    for name in value:
+        if not isinstance(name, str) or len(name) > 32:
+            raise ProtocolError(f"field {key!r} has a key that is no tensor key")
+        parts[name] = fields.integers(value, name, 1 << 20, 0, 1 << 32)
+    return parts
+
+
+@message(Op.STATS)
+class Stats(Message):
+    """A worker asks a server what it has seen (tests and tools), and the server's answer
+    (the same op, with every field set): its rank, the partitions it saw per key, rounds."""
+
+    req: int = integer()
+    rank: int | None = optional_integer(0, MAX_RANK)
+    parts: dict[str, list[int]] | None = custom(_parts, None)
+    rounds_done: int | None = optional_integer()
+    open_rounds: int | None = optional_integer()
+
+    def reply(self) -> dict[str, Any]:
+        """The answer's fields but op and req (what a worker's stats() returns per server)."""
+        return {"rank": self.rank, "parts": self.parts, "rounds_done": self.rounds_done,
+                "open_rounds": self.open_rounds}
+
+
+@message(Op.GOSSIP)
+class Gossip(Message):
+    """One round of one gossip (``tag``) from a peer: arrays in the frames that follow, or (``shm``)
+    at ``offsets`` in the sender's own shared-memory segment. ``keys`` name the arrays and
+    ``weight`` is push-sum's weight share (the gossip cores read them)."""
+
+    tag: str = text(256)
+    round: int = integer(0, 1 << 62)
+    dtypes: list[str] = strings(MAX_ARRAYS, 16)
+    counts: list[int] = integers(MAX_ARRAYS, 0, MAX_ELEMENTS)
+    gen: int = integer(0, fields.MAX_INT, 0)
+    keys: list[str] | None = strings(MAX_ARRAYS, 1024, optional=True)
+    weight: float | None = number(optional=True)
+    shm: str | None = optional_text(256)
+    offsets: list[int] | None = integers(MAX_ARRAYS, 0, MAX_ELEMENTS, optional=True)
+
+    def __post_init__(self) -> None:
+        self._check(len(self.dtypes) == len(self.counts), f"{len(self.dtypes)} dtypes but {len(self.counts)} counts")
+        self._check(self.keys is None or len(self.keys) == len(self.dtypes),
+                    f"{len(self.keys or ())} keys but {len(self.dtypes)} arrays")
+        self._check(self.shm is None or (self.offsets is not None and len(self.offsets) == len(self.dtypes)),
+                    "a shared-memory gossip message needs one offset per array")
+        for name in self.dtypes:
+            wire_dtype(name, "gossip dtype")
+
+
+@message(Op.GOSSIP_ACK)
+class GossipAck(Message):
+    """A peer read our shared-memory segment ``shm``: it may be reused."""
+
+    shm: str = text(256)
+    gen: int = integer(0, fields.MAX_INT, 0)

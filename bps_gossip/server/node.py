@@ -1,0 +1,188 @@
+"""A server process: its sockets, registration, and the loop that serves pushes until the
+scheduler says terminate (or stops answering)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from ..aggregation import Contribution
+from ..config import Config, load_config
+from ..errors import BpsGossipError, PeerLostError, ProtocolError
+from ..liveness import start_ticks
+from ..logs import get_logger
+from ..protocol import (
+    AddressBook,
+    Changed,
+    HbAck,
+    Heartbeat,
+    Message,
+    NodeLeft,
+    NodeLost,
+    Push,
+    Refused,
+    Register,
+    Stats,
+    Terminate,
+    handlers,
+    send,
+)
+from ..rendezvous import join
+from ..transport import bind_random_port
+from ..transport.receive import DropLog, drain
+from ..transport.sockets import SocketRole, open_socket
+from .pool import SumPool
+from .rounds import Rounds
+
+
+class Server:
+    """A server process: registration, the push/sum/reply loop, and its shutdown."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.log = get_logger("server", config.log_level)
+        self.ctx = zmq.Context.instance()
+        self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
+        self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
+        self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config,
+                                 f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self.pool = SumPool(config.server_engine_threads)
+        self.rounds = Rounds(config, self.addr, self._reply, self.pool)
+        self.rank = -1
+        self.running = True
+        self.last_ack = time.monotonic()
+        self.handlers = handlers({Push: self.rounds.on_push,
+                                  Stats: self._on_stats},
+                                 malformed={Push: self.rounds.malformed})
+        self.scheduler_handlers = handlers({
+            Terminate: self._on_terminate, NodeLost: self._on_node_gone, NodeLeft: self._on_node_gone,
+            Changed: self._on_changed, AddressBook: self._on_book,
+            HbAck: self._on_alive, Refused: self._on_alive})
+        self.drops = DropLog(self.log, "message")
+
+    # -- registration -------------------------------------------------------------
+    def register(self) -> None:
+        """Register with the scheduler and wait for the address book (:func:`bps_gossip.rendezvous.join`).
+
+        Pushes of workers that got the book first are held meanwhile.
+        """
+        cfg = self.config
+        me = Register(role="server", addr=self.addr, host=cfg.node_host, pid=os.getpid(), start_ticks=start_ticks(),
+                      num_worker=cfg.num_worker, num_server=cfg.num_server)
+        admitted = join(self.sched, me, cfg, f"server {self.addr}", self.log, also=[(self.sock, self._drain_socket)])
+        self._take_book(admitted.book)
+        self.log.info("server %d of the job at %s serves %d workers", self.rank, self.addr, self.rounds.size)
+        self.last_ack = time.monotonic()
+
+    def _take_book(self, book: AddressBook) -> None:
+        self.rank = book.rank
+        self.rounds.take_book(book)
+
+    # -- replies ------------------------------------------------------------------
+    def _reply(self, who: Contribution, msg: Message, payloads: tuple = ()) -> None:
+        try:
+            send(self.sock, msg, payloads, route=who.route)
+        except zmq.ZMQError as exc:
+            self.log.warning("reply to rank %d failed: %s", who.rank, exc)
+
+    def _on_stats(self, route: bytes, msg: Stats, _frames: list) -> None:
+        rounds = self.rounds
+        if route not in rounds.ranks:
+            raise ProtocolError("stats asked by a connection that is no worker of this job")
+        send(self.sock, Stats(req=msg.req, rank=self.rank,
+                              parts={str(k): sorted(v) for k, v in rounds.parts_seen.items()},
+                              rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds)), route=route)
+
+    # -- the scheduler's notices --------------------------------------------------
+    def _on_alive(self, _route: Any, _msg: Message, _frames: list) -> None:
+        self.last_ack = time.monotonic()
+
+    def _on_terminate(self, _route: Any, msg: Terminate, _frames: list) -> None:
+        self.last_ack = time.monotonic()
+        self.log.info("terminating: %s", msg.why)
+        self.running = False
+
+    def _on_node_gone(self, _route: Any, msg: NodeLost | NodeLeft, _frames: list) -> None:
+        self.last_ack = time.monotonic()
+        if msg.role == "worker":
+            self.rounds.worker_gone(msg.describe("was lost" if isinstance(msg, NodeLost) else "left the job"),
+                                    msg.rank)
+
+    def _on_changed(self, _route: Any, msg: Changed, _frames: list) -> None:
+        self.last_ack = time.monotonic()
+        self.rounds.new_generation(msg.generation, msg.why)
+
+    def _on_book(self, _route: Any, msg: AddressBook, _frames: list) -> None:
+        self.last_ack = time.monotonic()
+        self._take_book(msg)
+
+    # -- loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve pushes until the scheduler says terminate (or stops answering)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.pool.fileno(), zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while self.running:
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.config.heartbeat_interval
+                    if not self._beat(now):
+                        return
+                events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+                if self.pool.fileno() in events:
+                    for rid, error in self.pool.finished():
+                        self.rounds.pool_done(rid, error)
+                if self.sched in events:
+                    drain(self.sched, False, self.scheduler_handlers, self.drops, 1024)
+                if self.sock in events:
+                    self._drain_socket()
+        finally:
+            self.close()
+
+    def _beat(self, now: float) -> bool:
+        """Heart-beat, expire rounds, report stalls; False once the scheduler is gone."""
+        send(self.sched, Heartbeat())
+        for stall in self.rounds.expire(now):
+            send(self.sched, stall)
+        if now - self.last_ack > self.config.heartbeat_timeout:
+            self.log.error("scheduler %s stopped answering for %.1f s; exiting",
+                           self.config.scheduler_address, now - self.last_ack)
+            return False
+        return True
+
+    def _drain_socket(self) -> None:
+        # bounded, so the scheduler and the pool are served too
+        drain(self.sock, True, self.handlers, self.drops, 256)
+
+    def close(self) -> None:
+        """Stop the pool and close the sockets."""
+        self.pool.close()
+        self.rounds.close()
+        self.sock.close(linger=0)
+        self.sched.close(linger=500)
+
+
+def main() -> int:
+    """Entry point: run one server from the environment."""
+    try:
+        config = load_config()
+        server = Server(config)
+        server.register()
+        server.run()
+    except (BpsGossipError, PeerLostError) as exc:
+        print(f"bps_gossip server: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:
+        print(f"bps_gossip server: socket error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

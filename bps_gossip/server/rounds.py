@@ -1,0 +1,292 @@
+"""A server's rounds: which pushes belong together, when a round is complete, and who hears why
+one failed. No sockets: replies go out through the ``reply`` callable the server gives.
+
+A push's rank is the worker whose connection it came on (its routing id is in the scheduler's
+address book), a round's size is the book's, and the generation is the scheduler's: nothing of
+that is taken from the message. A push for a generation whose book has not reached this
+server yet is held (bounded) until it has.
+
+A push that disagrees with its round, a worker that died or left, and a round that stays
+incomplete past BPS_GOSSIP_TIMEOUT all end in an error reply to every participant: never a
+silent hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Tuple
+
+import numpy as np
+
+from ..aggregation import Contribution, Round, RoundId
+from ..compression import PartitionState, codec_from_header, merge_on_server, rng_for
+from ..config import Config
+from ..errors import ProtocolError
+from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
+from ..transport.shm import AttachedSegments, owner_pid
+from .pool import SumPool
+
+MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
+MAX_EARLY_PUSHES = 16384  # pushes held until this server has the address book they belong to
+MAX_EARLY_BYTES = 512 << 20
+# Summed on the I/O thread up to this size (every push of at most SMALL_PUSH_BYTES, which the
+# workers send without asking for an acknowledgement): a hop to the pool and back costs more.
+INLINE_BYTES = 256 * 1024
+
+Reply = Callable[[Contribution, Message, Tuple[Any, ...]], None]
+Held = Tuple[float, bytes, Push, list]  # (since, route, push, frames)
+
+
+class Rounds:
+    """The open rounds of one server and everything they are checked against."""
+
+    def __init__(self, config: Config, addr: str, reply: Reply, pool: SumPool) -> None:
+        self.config = config
+        self.addr = addr
+        self.reply = reply
+        self.pool = pool
+        self.rounds: dict[RoundId, Round] = {}
+        self.names: dict[int, str] = {}  # key -> tensor name: two names on one key are refused
+        self.feedback: dict[tuple[int, int], PartitionState] = {}  # compressed tensors' server-side error
+        self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
+        self.parts_seen: dict[int, set[int]] = {}
+        self.rounds_done = 0
+        self.segments = AttachedSegments(MAX_ATTACHED)
+        self.size = 0
+        self.ranks: dict[bytes, int] = {}  # a worker's routing id -> its rank, from the address book
+        self.pids: list[int] = []  # by rank: a worker's shared-memory segments carry its pid
+        self.book_generation = 0  # the generation of the last address book
+        self.early: collections.deque[Held] = collections.deque()
+        self.early_bytes = 0
+        self.generation = 0  # elastic: rounds of older generations are failed and dropped
+
+    # -- address books and generations --------------------------------------------
+    def take_book(self, book: AddressBook) -> None:
+        """An address book from the scheduler: who the workers are, and a new generation."""
+        self.size = len(book.workers)
+        self.ranks = {w.routing_id: index for index, w in enumerate(book.workers)}
+        self.pids = [w.pid for w in book.workers]
+        self.book_generation = book.generation
+        self.new_generation(book.generation, "a new generation began")
+        early, self.early, self.early_bytes = self.early, collections.deque(), 0
+        for _, route, push, frames in early:
+            self.on_push(route, push, frames)
+
+    def new_generation(self, generation: int, why: str) -> None:
+        """Elastic: fail every round of an older generation (its workers are told to reset)."""
+        if generation <= self.generation:
+            return
+        self.generation = generation
+        for rnd in list(self.rounds.values()):
+            if rnd.rid[0] < generation:
+                if rnd.error is None:
+                    self.fail(rnd, "changed", f"tensor {rnd.name!r}: membership changed: {why}")
+                self.rounds.pop(rnd.rid, None)
+
+    def worker_gone(self, why: str, rank: int) -> None:
+        """A worker died or left a job that is not elastic: no open round can complete."""
+        self.gone[rank] = why
+        # Pushes are refused from now on, so not even a round the gone worker already pushed
+        # to can complete: fail them all now.
+        why = "; ".join(self.gone.values())
+        for rnd in list(self.rounds.values()):
+            if rnd.error is None:
+                self.fail(rnd, "lost", f"tensor {rnd.name!r}: {why}")
+            self.rounds.pop(rnd.rid, None)
+
+    # -- a push: decoded by the table, checked, stored, summed -----------------------
+    def on_push(self, route: bytes, push: Push, frames: list) -> None:
+        """One worker's push (already decoded, so every field is of its type and range)."""
+        if push.gen > self.book_generation:  # the worker has its new book, this server not yet
+            self._hold(route, push, frames)
+            return
+        checked = self._check(route, push, frames)
+        if checked is None:
+            return
+        who, payload, codec = checked
+        rnd = self._store(who, push, codec)
+        if rnd is None:
+            return
+        self.parts_seen.setdefault(push.key, set()).add(push.part)
+        if rnd.nbytes <= INLINE_BYTES:
+            if rnd.add(payload if who.region is not None else payload.buffer):
+                rnd.write_back()
+                self.finish(rnd)  # the result doubles as this push's acknowledgement
+                return
+        else:
+            self.pool.submit(rnd, payload)
+        if push.ack:
+            self.reply(who, Ack(req=push.req), ())
+
+    def malformed(self, route: bytes, header: dict[str, Any], error: ProtocolError) -> None:
+        """A push that does not decode: its sender waits, so it gets an error (with its req if
+        that much could be read)."""
+        req = header.get("req")
+        req = req if isinstance(req, int) and not isinstance(req, bool) and 0 <= req < 1 << 63 else 0
+        self._error(Contribution(-1, route, req), "protocol", f"malformed push: {error}")
+
+    def _hold(self, route: bytes, push: Push, frames: list) -> None:
+        """Keep a push until the address book of its generation arrives (bounded)."""
+        nbytes = sum(len(frame) for frame in frames)
+        if len(self.early) >= MAX_EARLY_PUSHES or self.early_bytes + nbytes > MAX_EARLY_BYTES:
+            self._error(Contribution(-1, route, push.req), "protocol",
+                        f"server {self.addr} holds {len(self.early)} pushes ({self.early_bytes} bytes) for "
+                        f"generations whose address book it has not received; generation {push.gen} push dropped")
+            return
+        self.early.append((time.monotonic(), route, push, frames))
+        self.early_bytes += nbytes
+
+    def _check(self, route: bytes, push: Push, frames: list) -> tuple[Contribution, Any, Any] | None:
+        """Who pushed, its payload and codec; None (the sender told why) for a push to refuse."""
+        who = Contribution(-1, route, push.req)
+        try:
+            push.check_payload(frames)
+            codec = codec_from_header({"codec": push.codec}, push.count) if push.codec is not None else None
+        except (ValueError, ProtocolError) as exc:
+            self._error(who, "protocol", f"malformed push: {exc}")
+            return None
+        rank = self.ranks.get(route)
+        if rank is None:  # before anything of the message is acted on
+            self._error(who, "protocol", f"server {self.addr}: the sender is no worker of generation "
+                                         f"{self.book_generation} of this job")
+            return None
+        who.rank = rank
+        payload: Any = frames[0] if frames else None
+        if push.shm is not None:  # only a registered worker's own segment is mapped
+            try:
+                payload = who.region = self._region(rank, push)
+            except (OSError, ValueError, ProtocolError) as exc:
+                self._error(who, "protocol", f"malformed push: {exc}")
+                return None
+        why = self._refusal(push)
+        if why is not None:
+            self._error(who, *why)
+            return None
+        return who, payload, codec
+
+    def _region(self, rank: int, push: Push) -> np.ndarray:
+        """The region of worker ``rank``'s own shared-memory segment named in its push."""
+        if owner_pid(push.shm) != self.pids[rank]:
+            raise ProtocolError(f"rank {rank} named segment {push.shm!r}, which is not its own")
+        return self.segments.view(push.shm, push.wire, push.count, push.offset)
+
+    def _refusal(self, push: Push) -> tuple[str, str] | None:
+        """(kind, why) if this job cannot take the push now, else None."""
+        known = self.names.setdefault(push.key, push.name)
+        if known != push.name:
+            return "protocol", f"tensor names {known!r} and {push.name!r} hash to the same key {push.key}; rename one"
+        if self.gone:
+            why = "; ".join(self.gone.values())
+            return "lost", f"tensor {push.name!r}: {why}; this job is not elastic, so it cannot go on"
+        if push.gen < self.generation:
+            return "changed", f"tensor {push.name!r}: generation {push.gen} of the job has ended"
+        return None
+
+    def _store(self, who: Contribution, push: Push, codec: Any) -> Round | None:
+        """The push's round, with the push in it; None if the round failed (everyone told)."""
+        rid = (push.gen, push.key, push.part, push.seq)
+        rnd = self.rounds.get(rid)
+        if rnd is None:
+            merge = (codec[1], codec[2]) if codec is not None else (False, None)
+            rnd = self.rounds[rid] = Round(rid, push.name, push.signature, push.wire, push.count, self.size,
+                                           codec[0] if codec is not None else None, merge)
+        elif who.rank in rnd.pushes:
+            self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
+                                         f"of round {push.seq} twice")
+            return None
+        if rnd.error is not None:  # the round failed already: this push only hears why
+            rnd.pushes[who.rank] = who
+            self._error(who, "mismatch", rnd.error)
+            if len(rnd.pushes) >= rnd.expected:
+                self.rounds.pop(rid, None)
+            return None
+        rnd.error = rnd.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
+        rnd.pushes[who.rank] = who
+        if rnd.error is not None:
+            self.fail(rnd, "mismatch", rnd.error)
+            return None
+        return rnd
+
+    # -- results and failures --------------------------------------------------------
+    def _error(self, who: Contribution, kind: str, why: str) -> None:
+        self.reply(who, Error(req=who.req, kind=kind, why=why), ())
+
+    def fail(self, rnd: Round, kind: str, why: str) -> None:
+        """Fail ``rnd``: every worker that pushed to it gets ``why``."""
+        rnd.error = why
+        for who in rnd.pushes.values():
+            self._error(who, kind, why)
+        if len(rnd.pushes) >= rnd.expected:
+            self.rounds.pop(rnd.rid, None)
+
+    def finish(self, rnd: Round) -> None:
+        """Every worker pushed: send each the sum."""
+        self.rounds.pop(rnd.rid, None)
+        if rnd.error is not None:
+            return
+        self.rounds_done += 1
+        if rnd.codec is not None:  # one compression of the sum; every worker gets the same bytes
+            ef, seed = rnd.merge
+            _, key, part, seq = rnd.rid
+            state = self.feedback.setdefault((key, part), PartitionState())
+            result = merge_on_server(ef, rnd.codec, rnd.acc, state, rng_for(seed, part, seq, 1))
+            for who in rnd.pushes.values():
+                self.reply(who, Result(req=who.req), (result,))
+            return
+        for who in rnd.pushes.values():
+            if who.region is not None:  # the sum is already in its region (write_back)
+                self.reply(who, Result(req=who.req, shm=True), ())
+            else:
+                self.reply(who, Result(req=who.req), (rnd.acc,))
+
+    def pool_done(self, rid: RoundId, error: str | None) -> None:
+        """A round the pool completed (or whose summation failed)."""
+        rnd = self.rounds.get(rid)
+        if rnd is None:
+            return
+        if error is not None:
+            self.fail(rnd, "protocol", f"tensor {rnd.name!r}: {error}")
+        else:
+            self.finish(rnd)
+
+    def expire(self, now: float) -> list[Stalled]:
+        """Fail what waited past BPS_GOSSIP_TIMEOUT; return the stalls to report (elastic)."""
+        timeout = self.config.timeout
+        while self.early and now - self.early[0][0] > timeout:
+            _, route, push, frames = self.early.popleft()
+            self.early_bytes -= sum(len(frame) for frame in frames)
+            self._error(Contribution(-1, route, push.req), "timeout",
+                        f"server {self.addr}: no address book of generation {push.gen} within "
+                        f"{timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
+        stalls = []
+        for rnd in list(self.rounds.values()):
+            stall = self._stall(rnd, now)
+            if stall is not None:
+                stalls.append(stall)
+            if rnd.error is None and now - rnd.created > timeout:
+                missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+                self.fail(rnd, "timeout", f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} did not "
+                                          f"push within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
+                self.rounds.pop(rnd.rid, None)
+        return stalls
+
+    def _stall(self, rnd: Round, now: float) -> Stalled | None:
+        """Elastic: ranks that others have waited on for BPS_GOSSIP_STALL_TIMEOUT are reported
+        (once per round) to the scheduler, which removes them like lost workers. Only when they are
+        no more than those waiting: a majority missing means the pushers are early, not stuck."""
+        stall = self.config.stall_timeout
+        if not self.config.elastic or not stall or rnd.stall_reported or rnd.error is not None \
+                or now - rnd.created <= stall:
+            return None
+        rnd.stall_reported = True
+        missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+        if not missing or len(missing) > len(rnd.pushes):
+            return None
+        return Stalled(ranks=missing, generation=rnd.rid[0],
+                       why=f"pushed nothing of {rnd.name!r} for {now - rnd.created:.1f} s "
+                           f"while ranks {sorted(rnd.pushes)} waited on server {self.addr}")
+
+    def close(self) -> None:
+        """Unmap the workers' segments."""
+        self.segments.close()

@@ -1,0 +1,86 @@
+"""Every socket of every role is made here: its kind, CURVE side, queue limits, frame limit,
+linger and identity in one place (the reasons beside each).
+
+    sock = open_socket(ctx, SocketRole.SERVER, config)                  # then bind
+    link = open_socket(ctx, SocketRole.TO_SCHEDULER, config, identity)  # then connect
+
+Bound sockets (ROUTERs) serve CURVE with the job's keys, connecting ones (DEALERs) present
+them (:mod:`bps_gossip.transport.security`); without BPS_GOSSIP_SECRET they are plain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable
+
+import zmq
+
+from ..config import Config
+from .framing import MAX_HEADER_BYTES
+from .security import make_socket
+
+MAX_CONTROL_BYTES = 4 * MAX_HEADER_BYTES  # the largest message the scheduler accepts
+MIN_MAX_FRAME = 64 << 20  # a server's frame limit is at least this
+
+
+class SocketRole(enum.Enum):
+    """What a socket is for."""
+
+    SCHEDULER = "scheduler"  # the scheduler's ROUTER: every server and worker registers on it
+    SERVER = "server"  # a server's ROUTER: workers push to it
+    TO_SCHEDULER = "to_scheduler"  # a server's or worker's DEALER to the scheduler
+    TO_SERVER = "to_server"  # a worker's DEALER to one server
+    PEER = "peer"  # a worker's ROUTER for gossip from its peers
+    TO_PEER = "to_peer"  # a worker's DEALER to one peer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    kind: int
+    serve: bool  # binds (CURVE server) rather than connects
+    linger_ms: int
+    unbounded: bool = False  # no high-water marks (see below)
+    handover: bool = False  # a reconnecting peer takes its routing id over at once
+    needs_identity: bool = False  # the receiver knows the sender by its routing id
+    max_frame: Callable[[Config], int] | None = None  # a larger frame drops the connection
+
+
+_SPECS: dict[SocketRole, _Spec] = {
+    # Only small control messages: a larger one drops its sender's connection before anything
+    # is allocated for it.
+    SocketRole.SCHEDULER: _Spec(zmq.ROUTER, True, 1000, handover=True, max_frame=lambda _c: MAX_CONTROL_BYTES),
+    # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small partitions
+    # in flight would lose results and hang. Every reply answers a push, so the queue is bounded
+    # by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
+    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True, handover=True,
+                             max_frame=lambda c: max(2 * c.partition_bytes, MIN_MAX_FRAME)),
+    # Lingers a moment so that a server's last message (a leave) still goes out.
+    SocketRole.TO_SCHEDULER: _Spec(zmq.DEALER, False, 1000, needs_identity=True),
+    # No high-water mark: a full queue would block the worker's engine thread (no heartbeats,
+    # no replies read) on send; credit bounds large partitions, the caller's arrays the rest.
+    SocketRole.TO_SERVER: _Spec(zmq.DEALER, False, 0, unbounded=True, needs_identity=True),
+    SocketRole.PEER: _Spec(zmq.ROUTER, True, 0, max_frame=lambda c: c.max_message_bytes + MAX_HEADER_BYTES),
+    # Lingers so that the last gossip round reaches its peers after shutdown.
+    SocketRole.TO_PEER: _Spec(zmq.DEALER, False, 2000, needs_identity=True),
+}
+
+
+def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: bytes | None = None) -> zmq.Socket:
+    """A new socket for ``role``, set up before bind/connect; ``identity`` (the routing id others
+    know this process by) is required for the DEALERs."""
+    spec = _SPECS[role]
+    if spec.needs_identity and not identity:
+        raise ValueError(f"a {role.value} socket needs an identity")
+    sock = make_socket(ctx, spec.kind, config.keys, serve=spec.serve)
+    sock.setsockopt(zmq.LINGER, spec.linger_ms)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if spec.unbounded:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if spec.handover:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if spec.max_frame is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, spec.max_frame(config))
+    return sock

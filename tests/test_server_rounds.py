@@ -1,0 +1,110 @@
+"""The server's rounds in-process (no sockets): a fake reply collects what workers would get."""
+
+from __future__ import annotations
+
+import select
+
+import numpy as np
+import pytest
+
+from bps_gossip.config import Config
+from bps_gossip.protocol import AddressBook, BookEntry, Error, Push, Result
+from bps_gossip.server.pool import SumPool
+from bps_gossip.server.rounds import INLINE_BYTES, Rounds
+
+UIDS = [bytes([65 + rank]) * 8 for rank in range(3)]
+
+
+class Frame(bytes):
+    """What a zmq.Frame offers the server: len() and a buffer."""
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self)
+
+
+@pytest.fixture
+def rig():
+    replies = []
+    pool = SumPool(2)
+    rounds = Rounds(Config(), "tcp://test:1", lambda who, msg, payloads: replies.append((who, msg, payloads)), pool)
+    yield rounds, pool, replies
+    pool.close()
+    rounds.close()
+
+
+def book(size: int, generation: int = 1) -> AddressBook:
+    workers = [BookEntry(rank, uid.hex(), "", "h", 100 + rank, rank, size) for rank, uid in enumerate(UIDS[:size])]
+    return AddressBook(rank=0, generation=generation, servers=["tcp://test:1"], workers=workers)
+
+
+def push(rank: int, array: np.ndarray, seq: int = 0, gen: int = 1, name: str = "t", **extra) -> tuple:
+    msg = Push(req=10 + rank, gen=gen, key=1, part=0, seq=seq, name=name, count=array.size, wire=array.dtype.str,
+               dtype=str(array.dtype), shape=list(array.shape), kind="sum", ack=array.nbytes > 65536, **extra)
+    return UIDS[rank], msg, [Frame(array.tobytes())]
+
+
+def wait_pool(rounds: Rounds, pool: SumPool) -> None:
+    while rounds.rounds:
+        select.select([pool.fileno()], [], [], 5)
+        for rid, error in pool.finished():
+            rounds.pool_done(rid, error)
+
+
+@pytest.mark.parametrize("elements", [1024, 16384, INLINE_BYTES // 4 + 1024])  # 4 KiB, 64 KiB inline; 257 KiB pool
+def test_sums_are_exact_inline_and_on_the_pool(rig, elements):
+    rounds, pool, replies = rig
+    rounds.take_book(book(3))
+    rng = np.random.default_rng(elements)
+    arrays = [rng.standard_normal(elements).astype(np.float32) for _ in range(3)]
+    for rank in (2, 0, 1):
+        rounds.on_push(*push(rank, arrays[rank]))
+    wait_pool(rounds, pool)
+    results = [(who.rank, msg, payloads) for who, msg, payloads in replies if isinstance(msg, Result)]
+    assert sorted(rank for rank, _, _ in results) == [0, 1, 2]
+    expected = arrays[2].copy()
+    np.add(expected, arrays[0], out=expected)
+    np.add(expected, arrays[1], out=expected)  # the order the pushes came in
+    for rank, msg, payloads in results:
+        assert msg.req == 10 + rank
+        assert np.array_equal(payloads[0], expected)
+    acks = [msg for _, msg, _ in replies if not isinstance(msg, Result)]
+    # small pushes get no acknowledgement; large ones one each (the last too: its sum is on the pool)
+    assert len(acks) == (3 if elements * 4 > INLINE_BYTES else 0)
+    assert rounds.rounds_done == 1 and not rounds.rounds
+
+
+def test_mismatch_names_both_ranks_and_fails_everyone(rig):
+    rounds, _, replies = rig
+    rounds.take_book(book(2))
+    rounds.on_push(*push(0, np.ones(4, np.float32)))
+    rounds.on_push(*push(1, np.ones(5, np.float32)))
+    errors = [(who.rank, msg) for who, msg, _ in replies if isinstance(msg, Error)]
+    assert [rank for rank, _ in errors] == [0, 1]
+    assert all(msg.kind == "mismatch" and "rank 0 pushed" in msg.why and "rank 1 pushed" in msg.why
+               for _, msg in errors)
+
+
+def test_strangers_twice_and_early_pushes(rig):
+    rounds, _, replies = rig
+    rounds.on_push(*push(0, np.ones(4, np.float32)))  # generation 1 before its book: held
+    assert not replies and len(rounds.early) == 1
+    rounds.take_book(book(2))
+    assert not rounds.early and len(rounds.rounds) == 1
+    rounds.on_push(*push(0, np.ones(4, np.float32)))
+    rounds.on_push(UIDS[2], push(1, np.ones(4, np.float32))[1], [Frame(b"\0" * 16)])
+    rounds.on_push(*push(1, np.ones(4, np.float32), gen=0))
+    kinds = [(msg.kind, msg.why) for _, msg, _ in replies]
+    assert "twice" in kinds[0][1] and "no worker" in kinds[1][1] and kinds[2][0] == "changed"
+
+
+def test_malformed_push_is_answered_with_its_req(rig):
+    rounds, _, replies = rig
+    rounds.malformed(b"r", {"op": "push", "req": 5}, ValueError("bad"))
+    rounds.malformed(b"r", {"op": "push", "req": "5"}, ValueError("bad"))
+    assert [(msg.req, msg.kind) for _, msg, _ in replies] == [(5, "protocol"), (0, "protocol")]
+
+
+def test_every_small_push_is_summed_inline():
+    from bps_gossip.aggregation import SMALL_PUSH_BYTES
+    assert INLINE_BYTES >= SMALL_PUSH_BYTES  # no hop to the pool and back for what workers send unacknowledged
