@@ -56,7 +56,9 @@ def test_sums_are_exact_inline_and_on_the_pool(rig, elements):
     rounds, pool, replies = rig
     rounds.take_book(book(3))
     rng = np.random.default_rng(elements)
-    arrays = [rng.standard_normal(elements).astype(np.float32) for _ in range(3)]
+    # Whole numbers: the pool's two threads may add the three pushes in any order, and these
+    # sums are exact in every order (the inline path adds them in arrival order).
+    arrays = [rng.integers(-1000, 1000, elements).astype(np.float32) for _ in range(3)]
     for rank in (2, 0, 1):
         rounds.on_push(*push(rank, arrays[rank]))
     wait_pool(rounds, pool)
@@ -64,7 +66,7 @@ def test_sums_are_exact_inline_and_on_the_pool(rig, elements):
     assert sorted(rank for rank, _, _ in results) == [0, 1, 2]
     expected = arrays[2].copy()
     np.add(expected, arrays[0], out=expected)
-    np.add(expected, arrays[1], out=expected)  # the order the pushes came in
+    np.add(expected, arrays[1], out=expected)
     for rank, msg, payloads in results:
         assert msg.req == 10 + rank
         assert np.array_equal(payloads[0], expected)
