@@ -80,6 +80,12 @@ class Push(Message):
         self._check(self.codec is None or (self.shm is None and dtype == np.uint8),
                     "compressed pushes come as uint8 frames")
 
+    @staticmethod
+    def header(**values: Any) -> dict[str, Any]:
+        """A push's header without building the message: the worker sends one per partition, and
+        a frozen message costs ten times the dict (the server decodes, so checks, every one)."""
+        return {"op": Op.PUSH.value, **values}
+
     @property
     def signature(self) -> dict[str, Any]:
         """What every rank's push of this round must agree on (besides wire and count)."""

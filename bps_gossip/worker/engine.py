@@ -271,12 +271,12 @@ class Engine:
         complete(self._rejoin, book)
         self._rejoin = None
 
-    def on_node_gone(self, msg: dict[str, Any], lost: bool, why: str) -> None:
+    def on_node_gone(self, role: str, rank: int, lost: bool, why: str) -> None:
         """A worker or server was lost or left."""
-        if msg.get("role") == "worker" and self.peers.channel is not None:
-            self.peers.channel.on_worker_gone(int(msg["rank"]), "lost" if lost else "left", why)
-        elif msg.get("role") == "server":
-            self.servers.server_gone(int(msg["rank"]), why)
+        if role == "server":
+            self.servers.server_gone(rank, why)
+        elif self.peers.channel is not None:
+            self.peers.channel.on_worker_gone(rank, "lost" if lost else "left", why)
 
     def on_changed(self, generation: int, why: str, restore: bool) -> None:
         """Elastic: the generation ended. Fail what is pending; rejoin when asked (reset())."""

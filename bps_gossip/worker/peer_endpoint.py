@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import zmq
 
-from .. import fields
 from ..config import Config
 from ..errors import ProtocolError
-from ..transport import MAX_HEADER_BYTES, bind_random_port
+from ..protocol import Gossip, GossipAck, handlers
+from ..transport import bind_random_port
 from ..transport.receive import MALFORMED, DropLog, drain
-from ..transport.security import make_socket
 from ..transport.shm import SegmentPool
+from ..transport.sockets import SocketRole, open_socket
 from .commands import PeerAck, PeerExpect, PeerSend
 from .peers import LEFT_GRACE, PeerChannel
 from .scheduler_link import Book
@@ -39,23 +38,21 @@ class PeerEndpoint:
         self.uid = uid
         self.log = log
         self.segments = segments
-        self.sock = make_socket(ctx, zmq.ROUTER, config.keys, serve=True)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + MAX_HEADER_BYTES)
+        self.sock = open_socket(ctx, SocketRole.PEER, config)
         self.address = bind_random_port(self.sock, config.bind_host, advertise=config.node_host)
         self.channel: PeerChannel | None = None
         self.generation = 0
         self.next_generation = 0  # announced by the scheduler, book not here yet
-        self._early: list[tuple[bytes, dict[str, Any], list[zmq.Frame]]] = []
+        self._early: list[tuple[bytes, Gossip, list[zmq.Frame]]] = []
         self._drops = DropLog(log, "peer message")
-        self._handlers = {"gossip": self._on_gossip, "gossip_ack": self._on_ack}
+        self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack})
 
     def new_generation(self, book: Book) -> None:
         """Open the channel of ``book``'s generation and hand it what came early."""
         if self.channel is not None:
             self.channel.close()
-        self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config.timeout, self.log,
-                                   book.generation, self.config.keys)
+        self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config, self.log,
+                                   book.generation)
         self.channel.pool = self.segments
         self.generation = book.generation
         early, self._early = self._early, []
@@ -69,8 +66,8 @@ class PeerEndpoint:
         """Handle waiting peer messages (bounded: servers and the inbox go on)."""
         drain(self.sock, True, self._handlers, self._drops, 256)
 
-    def _on_gossip(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        generation = fields.integer(msg, "gen", 0, fields.MAX_INT, 0)
+    def _on_gossip(self, route: bytes, msg: Gossip, frames: list[zmq.Frame]) -> None:
+        generation = msg.gen
         if generation > self.generation:  # the sender has its new book already
             if generation > max(self.generation, self.next_generation) + 1 or len(self._early) >= MAX_EARLY:
                 raise ProtocolError(f"gossip for generation {generation} while this worker is in "
@@ -79,8 +76,8 @@ class PeerEndpoint:
         elif generation == self.generation:
             self.channel.on_message(route, msg, frames)
 
-    def _on_ack(self, route: bytes, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-        if fields.integer(msg, "gen", 0, fields.MAX_INT, -1) == self.generation:
+    def _on_ack(self, route: bytes, msg: GossipAck, _frames: list[zmq.Frame]) -> None:
+        if msg.gen == self.generation:
             self.channel.on_ack(route, msg)
 
     # -- commands from the training thread -----------------------------------------

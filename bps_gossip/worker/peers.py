@@ -25,17 +25,16 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import zmq
 
-from .. import fields
 from ..compat import zip_exact
+from ..config import Config
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
-from ..transport import send_message
-from ..transport.security import JobKeys, make_socket
+from ..protocol import Gossip, GossipAck, send
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
+from ..transport.sockets import SocketRole, open_socket
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
-MAX_ARRAYS = 1024  # arrays in one gossip message
 MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
 
@@ -59,10 +58,11 @@ class PeerChannel:
     """Sends to and collects from other workers; every method runs on the engine thread."""
 
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
-                 timeout: float, log: Any, generation: int = 0, keys: JobKeys | None = None) -> None:
+                 config: Config, log: Any, generation: int = 0) -> None:
         self.ctx = ctx
         self.uid = uid
-        self.keys = keys
+        self.config = config
+        timeout = config.timeout
         self.rank = rank
         self.workers = workers
         self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(workers)}
@@ -93,19 +93,20 @@ class PeerChannel:
         (pool key, segment, byte offsets), only the header of arrays already in the segment."""
         if not 0 <= dst < len(self.workers) or dst == self.rank:
             raise ValueError(f"gossip: rank {dst} is not a peer of rank {self.rank} (size {len(self.workers)})")
-        header = {**header, "op": "gossip", "gen": self.generation,
-                  "dtypes": [a.dtype.str for a in arrays], "counts": [int(a.size) for a in arrays]}
-        if staged is None:
-            self._send(dst, header, [np.ascontiguousarray(a) for a in arrays])
-            return
-        key, segment, offsets = staged
-        self.in_flight[segment.name] = (dst, key, segment)
-        self._send(dst, {**header, "shm": segment.name, "offsets": offsets}, [])
+        shm, offsets = None, None
+        if staged is not None:
+            key, segment, offsets = staged
+            shm = segment.name
+            self.in_flight[shm] = (dst, key, segment)
+        msg = Gossip(tag=header["tag"], round=header["round"], dtypes=[a.dtype.str for a in arrays],
+                     counts=[int(a.size) for a in arrays], gen=self.generation, keys=header.get("keys"),
+                     weight=header.get("weight"), shm=shm, offsets=offsets)
+        self._send(dst, msg, [np.ascontiguousarray(a) for a in arrays] if staged is None else [])
 
     def ack(self, dst: int, segment: str) -> None:
         """Tell worker ``dst`` that its segment ``segment`` was read and may be reused."""
         if 0 <= dst < len(self.workers) and dst != self.rank:
-            self._send(dst, {"op": "gossip_ack", "gen": self.generation, "shm": segment}, [])
+            self._send(dst, GossipAck(shm=segment, gen=self.generation), [])
 
     def unread(self) -> int:
         """How many of our shared-memory messages peers that are still here have not read."""
@@ -118,36 +119,33 @@ class PeerChannel:
             raise ProtocolError(f"a message from {route[:64]!r}, which is no peer of generation {self.generation}")
         return src
 
-    def on_ack(self, route: bytes, msg: dict[str, Any]) -> None:
+    def on_ack(self, route: bytes, msg: GossipAck) -> None:
         """A peer read one of our segments: it goes back to the pool."""
         src = self.sender(route)
-        entry = self.in_flight.get(fields.text(msg, "shm", 256))
+        entry = self.in_flight.get(msg.shm)
         if entry is None or entry[0] != src:
-            raise ProtocolError(f"gossip_ack for a segment rank {src} was not sent: {msg['shm']!r}")
-        del self.in_flight[str(msg["shm"])]
+            raise ProtocolError(f"gossip_ack for a segment rank {src} was not sent: {msg.shm!r}")
+        del self.in_flight[msg.shm]
         self.pool.release(entry[1], entry[2])
 
-    def _send(self, dst: int, header: dict[str, Any], frames: list[Any]) -> None:
+    def _send(self, dst: int, msg: Gossip | GossipAck, frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
-            sock = make_socket(self.ctx, zmq.DEALER, self.keys, serve=False)
-            sock.setsockopt(zmq.IDENTITY, self.uid)
-            sock.setsockopt(zmq.LINGER, 2000)  # let the last round reach its peers after shutdown
+            sock = open_socket(self.ctx, SocketRole.TO_PEER, self.config, self.uid)
             sock.connect(self.workers[dst]["addr"])
             self.dealers[dst] = sock
-        send_message(sock, header, frames)
+        send(sock, msg, frames)
 
     # -- receiving ----------------------------------------------------------------
-    def on_message(self, route: bytes, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        """File one incoming message from connection ``route`` under its (tag, round, source)."""
+    def on_message(self, route: bytes, msg: Gossip, frames: list[zmq.Frame]) -> None:
+        """File one incoming message from connection ``route`` under its (tag, round, source);
+        the gossip core gets its header as a dict (tag, round, keys, weight, shm)."""
         src = self.sender(route)
-        tag, rnd = fields.text(msg, "tag", 256), fields.integer(msg, "round", 0, 1 << 62)
-        dtypes = fields.strings(msg, "dtypes", MAX_ARRAYS, 16)
-        counts = fields.integers(msg, "counts", MAX_ARRAYS, 0, 1 << 40)
-        if "shm" in msg:
-            arrays = self._shared_arrays(src, msg, dtypes, counts)
+        tag, rnd = msg.tag, msg.round
+        if msg.shm is not None:
+            arrays = self._shared_arrays(src, msg)
         else:
-            arrays = self._frame_arrays(src, frames, dtypes, counts)
+            arrays = self._frame_arrays(src, frames, msg.dtypes, msg.counts)
         box = self.inbox.get((tag, rnd), {})
         if src in box:
             raise ProtocolError(f"rank {src} sent round {rnd} of {tag!r} twice")
@@ -157,7 +155,7 @@ class PeerChannel:
             raise ProtocolError(f"rank {src} has {count} gossip messages ({nbytes} bytes) nobody waits for: "
                                 f"round {rnd} of {tag!r} dropped")
         self.pending[src] = [count + 1, nbytes + size]
-        self.inbox.setdefault((tag, rnd), box)[src] = (msg, arrays, size)
+        self.inbox.setdefault((tag, rnd), box)[src] = (msg.encode(), arrays, size)
         self._complete((tag, rnd))
 
     @staticmethod
@@ -172,15 +170,12 @@ class PeerChannel:
             arrays.append(np.frombuffer(frame.buffer, dtype=dt, count=int(count)))
         return arrays
 
-    def _shared_arrays(self, src: int, msg: dict[str, Any], dtypes: list[Any], counts: list[Any]) -> list[np.ndarray]:
-        """Views of the arrays a peer on this host left in its segment."""
+    def _shared_arrays(self, src: int, msg: Gossip) -> list[np.ndarray]:
+        """Views of the arrays a peer on this host left in its segment (the message's decoding
+        checked that there is one offset per array)."""
         if self.pool is None or not self.is_local(src):
             raise ProtocolError(f"gossip message from rank {src} names a shared-memory segment it cannot share")
-        offsets = fields.integers(msg, "offsets", MAX_ARRAYS, 0, 1 << 40)
-        if not len(dtypes) == len(counts) == len(offsets):
-            raise ProtocolError(f"gossip message from rank {src}: {len(dtypes)} dtypes, {len(counts)} counts, "
-                                f"{len(offsets)} offsets")
-        name = fields.text(msg, "shm", 256)
+        dtypes, counts, offsets, name = msg.dtypes, msg.counts, msg.offsets, msg.shm
         if owner_pid(name) != self.workers[src].get("pid"):
             raise ProtocolError(f"gossip message from rank {src} names segment {name!r}, which is not its own")
         try:

@@ -23,7 +23,6 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from .. import fields
 from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
 from ..errors import (
@@ -35,10 +34,11 @@ from ..errors import (
     WorkersChangedError,
 )
 from ..futures import Future, complete, fail
+from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..transport import send_message
 from ..transport.receive import DropLog, drain
-from ..transport.security import make_socket
 from ..transport.shm import SegmentPool
+from ..transport.sockets import SocketRole, open_socket
 from .operation import Operation
 from .scheduler_link import Book
 from .trace import Tracer, now_us
@@ -94,13 +94,7 @@ class ServerLinks:
         self.shm_servers = frozenset(index for index, addr in enumerate(book.servers)
                                      if self.segments is not None and addr.rsplit(":", 1)[0] == here)
         for index, addr in enumerate(book.servers):
-            sock = make_socket(self.ctx, zmq.DEALER, self.config.keys, serve=False)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.uid)
-            # No high-water mark: a full queue would block the engine thread (no heartbeats, no
-            # replies read) on send; credit bounds large partitions, the caller's arrays the rest.
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)
             sock.connect(addr)
             self.sockets.append(sock)
             self._handlers.append(self._table(index))
@@ -109,13 +103,13 @@ class ServerLinks:
 
     def _table(self, index: int) -> dict[str, Callable[..., None]]:
         def heard(handler: Callable[..., None]) -> Callable[..., None]:
-            def handle(_route: Any, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+            def handle(_route: Any, msg: Any, frames: list[zmq.Frame]) -> None:
                 self._heard[index] = time.monotonic()
                 handler(index, msg, frames)
             return handle
 
-        return {"ack": heard(self._on_ack), "result": heard(self._on_result), "error": heard(self._on_error),
-                "stats": heard(self._on_stats)}
+        return handlers({Ack: heard(self._on_ack), Result: heard(self._on_result), Error: heard(self._on_error),
+                         Stats: heard(self._on_stats)})
 
     def drain(self, events: dict[Any, int]) -> None:
         """Read the replies of every server that has some (bounded per server)."""
@@ -190,11 +184,9 @@ class ServerLinks:
             sent = now_us()
             self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
             op.stamps[index] = sent
-        header = {
-            "op": "push", "req": req, "key": op.key, "name": op.name, "part": index, "seq": op.seq,
-            "count": count, "wire": op.send.dtype.str, "dtype": op.sig["dtype"], "shape": op.sig["shape"],
-            "kind": op.sig["kind"], "ack": not small, "gen": self.generation,
-        }
+        header = Push.header(req=req, key=op.key, name=op.name, part=index, seq=op.seq, count=count,
+                             wire=op.send.dtype.str, dtype=op.sig["dtype"], shape=op.sig["shape"],
+                             kind=op.sig["kind"], ack=not small, gen=self.generation)
         if op.codecs is not None:
             header["codec"] = op.codecs[index]
         if op.segment is not None and server in self.shm_servers:
@@ -209,38 +201,37 @@ class ServerLinks:
         req = next(self._req_ids)
         self._stats[req] = (future, [None] * len(self.sockets))
         for sock in self.sockets:
-            send_message(sock, {"op": "stats", "req": req})
+            send(sock, Stats(req=req))
 
     # -- replies --------------------------------------------------------------------
-    def _take(self, msg: dict[str, Any]) -> tuple[Operation, int] | None:
+    def _take(self, req: int) -> tuple[Operation, int] | None:
         """The operation and partition a reply is for (None if it already failed); a result or an
         error also acknowledges the push."""
-        req = fields.integer(msg, "req", 0, fields.MAX_INT, 0)
         self._unacked.pop(req, None)
         entry = self._reqs.pop(req, None)
         if entry is not None:
             entry[0].reqs.discard(req)
         return entry
 
-    def _on_ack(self, _index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-        self._unacked.pop(fields.integer(msg, "req", 0, fields.MAX_INT, 0), None)
+    def _on_ack(self, _index: int, msg: Ack, _frames: list[zmq.Frame]) -> None:
+        self._unacked.pop(msg.req, None)
 
-    def _on_result(self, _index: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
-        entry = self._take(msg)
+    def _on_result(self, _index: int, msg: Result, frames: list[zmq.Frame]) -> None:
+        entry = self._take(msg.req)
         if entry is not None:
             self._store(entry[0], entry[1], msg, frames)
 
-    def _on_error(self, _index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-        entry = self._take(msg)
+    def _on_error(self, _index: int, msg: Error, _frames: list[zmq.Frame]) -> None:
+        entry = self._take(msg.req)
         if entry is not None:
-            kind = ERROR_KINDS.get(msg.get("kind"), BpsGossipError)
-            self.fail_op(entry[0], kind(f"{msg.get('why')} [on rank {self.rank}]"))
+            kind = ERROR_KINDS.get(msg.kind, BpsGossipError)
+            self.fail_op(entry[0], kind(f"{msg.why} [on rank {self.rank}]"))
 
-    def _store(self, op: Operation, part: int, msg: dict[str, Any], frames: list[zmq.Frame]) -> None:
+    def _store(self, op: Operation, part: int, msg: Result, frames: list[zmq.Frame]) -> None:
         offset, count = op.parts[part]
         if op.traced:
             self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
-        if count and msg.get("shm"):
+        if count and msg.shm:
             op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
         elif count:
             op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
@@ -264,14 +255,14 @@ class ServerLinks:
             self.tracer.finished(op.seq)
         complete(op.handle, op.result)
 
-    def _on_stats(self, index: int, msg: dict[str, Any], _frames: list[zmq.Frame]) -> None:
-        entry = self._stats.get(fields.integer(msg, "req", 0, fields.MAX_INT, 0))
+    def _on_stats(self, index: int, msg: Stats, _frames: list[zmq.Frame]) -> None:
+        entry = self._stats.get(msg.req)
         if entry is None:
             return
         future, replies = entry
-        replies[index] = {k: v for k, v in msg.items() if k not in ("op", "req")}
+        replies[index] = msg.reply()
         if all(r is not None for r in replies):
-            del self._stats[int(msg["req"])]
+            del self._stats[msg.req]
             complete(future, replies)
 
     # -- failures -------------------------------------------------------------------
