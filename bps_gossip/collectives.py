@@ -30,7 +30,9 @@ def _local_result(array: np.ndarray, out: np.ndarray | None) -> Future:
 
 
 def _signature(array: np.ndarray, kind: str) -> dict[str, Any]:
-    return {"dtype": str(array.dtype), "shape": list(array.shape), "kind": kind}
+    """What every rank's push of a round must agree on (the server compares it)."""
+    dtype = array.dtype
+    return {"dtype": dtype.name if dtype.isnative else str(dtype), "shape": list(array.shape), "kind": kind}
 
 
 def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send: np.ndarray,
