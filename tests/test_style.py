@@ -230,3 +230,41 @@ def test_string_dispatch_pattern_catches_the_old_forms():
         assert STRING_DISPATCH.search(line), line
     for line in ('if kind == "op":', 'header = {"op": "push"}', "op = msg['op']"):
         assert not STRING_DISPATCH.search(line), line
+
+
+def _package_modules(package: Path) -> dict[str, Path]:
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import, lazy ones inside functions included, but not those under `if TYPE_CHECKING:`."""
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+                   for part in node.body for n in ast.walk(part)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _targets(name: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) if node.level \
+        else node.module or ""
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names} & set(modules)
+
+
+@pytest.mark.parametrize("package", ["bps_gossip", "mxnet_plugin"])
+def test_packages_import_no_cycle(package):
+    """No module of the package imports (through others) a module that imports it back; a
+    package's own __init__ is not counted for its submodules (Python runs it first anyway)."""
+    modules = _package_modules(ROOT / package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            found |= _targets(name, path, node, modules)
+        graph[name] = {t for t in found - {name} if not (modules[t].name == "__init__.py" and name.startswith(t + "."))}
+    assert _import_cycle(graph) is None, f"import cycle in {package}: {_import_cycle(graph)}"
