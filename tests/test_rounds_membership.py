@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from bps_gossip.aggregation import Push, Round, describe_signature
+from bps_gossip.aggregation import Contribution, Round, describe_signature
 from bps_gossip.errors import ConfigError
 from bps_gossip.membership import Membership, Node
 
@@ -33,7 +33,7 @@ def test_round_writes_the_sum_back_to_every_shared_memory_region():
     rnd = make_round(expected=2)
     regions = [np.zeros(6, np.float32), None]
     for rank, region in enumerate(regions):
-        rnd.pushes[rank] = Push(rank, b"route%d" % rank, rank, region)
+        rnd.pushes[rank] = Contribution(rank, b"route%d" % rank, rank, region)
         rnd.add(np.full(6, rank + 1, np.float32))
     rnd.write_back()
     np.testing.assert_array_equal(regions[0], np.full(6, 3, np.float32))
@@ -69,7 +69,7 @@ def test_round_added_from_many_threads_finishes_once():
 
 def test_round_mismatch_names_the_tensor_the_ranks_and_both_signatures():
     rnd = make_round()
-    rnd.pushes[0] = Push(0, b"r0", 0)
+    rnd.pushes[0] = Contribution(0, b"r0", 0)
     assert rnd.mismatch(1, dict(SIG), "float32", 6) is None
     text = rnd.mismatch(2, {"dtype": "float32", "shape": [3, 2], "kind": "sum"}, "float32", 6)
     assert "'w'" in text and "rank 0" in text and "rank 2" in text
