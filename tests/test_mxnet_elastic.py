@@ -54,7 +54,9 @@ def test_killed_worker_gluon_survivors_agree(cluster, mode):
 @pytest.mark.timeout(200)
 def test_gluon_worker_joins_with_current_state(cluster):
     job = cluster(2, env=ELASTIC_ENV)
-    args = ["--mode", "allreduce", "--epochs", "4", "--commit-every", "4", "--step-sleep", "0.05"]
+    # Steps slow enough that the rest of the job (3 epochs, >= 8.6 s) outlasts the joiner's start-up
+    # (importing MXNet) on a busy machine: a joiner that arrives after the job ended finds no scheduler.
+    args = ["--mode", "allreduce", "--epochs", "4", "--commit-every", "4", "--step-sleep", "0.12"]
     first = start_example(job, args, 2)
     deadline = time.monotonic() + 60
     while "epoch 1/4" not in Path(first[0].out_file.name).read_text():  # training is under way
