@@ -1,5 +1,5 @@
 """Transport: ZeroMQ sockets, message framing, and the payload data paths."""
 
-from .framing import MAX_HEADER_BYTES, bind_random_port, recv_message, send_message
+from .framing import MAX_HEADER_BYTES, bind_random_port, endpoint_host, recv_message, send_message
 
-__all__ = ["MAX_HEADER_BYTES", "bind_random_port", "recv_message", "send_message"]
+__all__ = ["MAX_HEADER_BYTES", "bind_random_port", "endpoint_host", "recv_message", "send_message"]

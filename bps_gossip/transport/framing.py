@@ -55,6 +55,11 @@ def recv_message(sock: zmq.Socket, routed: bool) -> tuple[bytes | None, dict[str
     return route, header, frames[1:]
 
 
+def endpoint_host(endpoint: str) -> str:
+    """'tcp://host' of 'tcp://host:port': endpoints with the same one are on the same machine."""
+    return endpoint.rsplit(":", 1)[0]
+
+
 def bind_random_port(sock: zmq.Socket, host: str, port: int = 0, advertise: str | None = None) -> str:
     """Bind ``sock`` on ``host`` (a free port when ``port`` is 0); return the endpoint others
     connect to, on ``advertise`` when given (a socket bound on 0.0.0.0 is reached at this

@@ -19,10 +19,6 @@ from .engine import Engine
 Received = Dict[int, Tuple[Dict[str, Any], List[np.ndarray]]]
 
 
-def _host(worker: dict[str, Any]) -> str:
-    return str(worker.get("addr", "")).rsplit(":", 1)[0]
-
-
 class PeerLink:
     """Worker-to-worker messages for gossip, and the exact collectives through the servers."""
 
@@ -37,8 +33,7 @@ class PeerLink:
         self._local: frozenset[int] = frozenset()
         book = engine.book if engine is not None else None
         if book is not None and engine.segments is not None:
-            mine = _host(book.workers[book.rank])
-            self._local = frozenset(i for i, w in enumerate(book.workers) if i != book.rank and _host(w) == mine)
+            self._local = frozenset(i for i in range(book.size) if i != book.rank and book.same_host(i))
 
     def timeout(self) -> float:
         """The backstop for waiting on a round (the engine fails it after BPS_GOSSIP_TIMEOUT)."""

@@ -30,6 +30,7 @@ from ..config import Config
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
 from ..protocol import Gossip, GossipAck, send
+from ..transport import endpoint_host
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
 from ..transport.sockets import SocketRole, open_socket
 
@@ -83,8 +84,7 @@ class PeerChannel:
         """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
         if self.pool is None or not 0 <= dst < len(self.workers):
             return False
-        mine = str(self.workers[self.rank].get("addr", "")).rsplit(":", 1)[0]
-        return str(self.workers[dst].get("addr", "")).rsplit(":", 1)[0] == mine
+        return endpoint_host(self.workers[dst]["addr"]) == endpoint_host(self.workers[self.rank]["addr"])
 
     # -- sending ------------------------------------------------------------------
     def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray],

@@ -49,7 +49,7 @@ from ..protocol import (
     send,
 )
 from ..rendezvous import join
-from ..transport import recv_message
+from ..transport import endpoint_host, recv_message
 from ..transport.receive import MALFORMED, DropLog, drain
 from ..transport.sockets import SocketRole, open_socket
 
@@ -66,6 +66,10 @@ class Book:
     servers: list[str]
     workers: list[dict[str, Any]]  # uid (hex routing id), addr (gossip endpoint), host, pid, ...
     restore: bool = False  # elastic: roll back to the last commit (something crashed)
+
+    def same_host(self, rank: int) -> bool:
+        """Whether worker ``rank`` runs on this worker's machine (its gossip endpoint's host)."""
+        return endpoint_host(self.workers[rank]["addr"]) == endpoint_host(self.workers[self.rank]["addr"])
 
     @classmethod
     def of(cls, book: AddressBook) -> Book:
@@ -102,13 +106,14 @@ class SchedulerLink:
         self._commits: dict[int, Future] = {}
         self._commit_seq = 0
         self._drops = DropLog(log, "message from the scheduler")
-        self._handlers = handlers({
+        table = {
             HbAck: self._on_nothing, Wait: self._on_nothing, Bye: self._on_nothing, Terminate: self._on_nothing,
             BarrierDone: self._on_barrier_done, BarrierFailed: self._on_barrier_failed,
             CommitDone: self._on_commit_done, NodeLost: self._on_node_lost, NodeLeft: self._on_node_left,
             Changed: self._on_changed, AddressBook: self._on_book, Refused: self._on_refused,
             JobFailed: self._on_job_failed, JobOver: self._on_job_over,
-        })
+        }
+        self._handlers = handlers({cls: self._heard(handle) for cls, handle in table.items()})
 
     # -- registration ---------------------------------------------------------------
     def register(self, peer_addr: str) -> tuple[Book, bool]:
@@ -209,19 +214,23 @@ class SchedulerLink:
     def _rank(self) -> int:
         return self.book.rank if self.book is not None else -1
 
+    def _heard(self, handle: Any) -> Any:
+        """``handle`` after noting that the scheduler is alive (any message shows it)."""
+        def entry(route: Any, msg: Any, frames: list[zmq.Frame]) -> None:
+            self.last_heard = time.monotonic()
+            handle(route, msg, frames)
+        return entry
+
     def _on_nothing(self, _route: Any, _msg: Any, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
+        pass  # only shows that the scheduler is there
 
     def _on_barrier_done(self, _route: Any, msg: BarrierDone, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         complete(self._barriers.pop(msg.seq, None), None)
 
     def _on_barrier_failed(self, _route: Any, msg: BarrierFailed, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         fail(self._barriers.pop(msg.seq, None), PeerLostError(f"barrier: {msg.why} [on rank {self._rank()}]"))
 
     def _on_commit_done(self, _route: Any, msg: CommitDone, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         complete(self._commits.pop(msg.seq, None), msg.changed)
 
     def _on_node_lost(self, _route: Any, msg: NodeLost, _frames: list[zmq.Frame]) -> None:
@@ -231,30 +240,24 @@ class SchedulerLink:
         self._node_gone(msg, lost=False)
 
     def _node_gone(self, msg: NodeLost | NodeLeft, lost: bool) -> None:
-        self.last_heard = time.monotonic()
         why = msg.describe("was lost" if lost else "left the job")
         # A graceful leave is normal at the end of a job; only a loss deserves a warning.
         self.log.log(logging.WARNING if lost else logging.INFO, why)
         self.listener.on_node_gone(msg.role, msg.rank, lost, why)
 
     def _on_changed(self, _route: Any, msg: Changed, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         self.listener.on_changed(msg.generation, msg.why, msg.restore)
 
     def _on_book(self, _route: Any, msg: AddressBook, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         self.book = Book.of(msg)
         self.new_generation()
         self.listener.on_book(self.book)
 
     def _on_refused(self, _route: Any, msg: Refused, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         self.listener.on_broken(PeerLostError(f"the scheduler no longer knows this worker: {msg.why}"))
 
     def _on_job_failed(self, _route: Any, msg: JobFailed, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         self.listener.on_broken(JobFailedError(f"the elastic job failed: {msg.why} [on rank {self._rank()}]"))
 
     def _on_job_over(self, _route: Any, msg: JobOver, _frames: list[zmq.Frame]) -> None:
-        self.last_heard = time.monotonic()
         self.listener.on_broken(JobEndedError(f"the job finished before this worker got its state ({msg.why})"))

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
-from ..transport import send_message
+from ..transport import endpoint_host, send_message
 from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
@@ -92,7 +92,7 @@ class ServerLinks:
         self.close()
         here = f"tcp://{self.config.node_host}"
         self.shm_servers = frozenset(index for index, addr in enumerate(book.servers)
-                                     if self.segments is not None and addr.rsplit(":", 1)[0] == here)
+                                     if self.segments is not None and endpoint_host(addr) == here)
         for index, addr in enumerate(book.servers):
             sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)
             sock.connect(addr)
