@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import List, Tuple
+from typing import Hashable, Iterable, List, Tuple, TypeVar
 
 import mxnet as mx
 import numpy as np
@@ -35,33 +35,44 @@ BUCKET_BYTES = 4 * 1024 * 1024  # a bucket is cut once it holds this much
 LAYOUT_CHARS = 400  # longer layouts travel as a digest
 
 Bucket = List[Tuple[int, mx.gluon.Parameter]]  # (priority index, parameter) in ready order
+T = TypeVar("T")
 
 _buffers: dict[str, np.ndarray] = {}  # bucket name -> its flat buffer, reused every step
 _buffers_lock = threading.Lock()
 
 
-def plan_buckets(ready: list[tuple[int, mx.gluon.Parameter]]) -> tuple[list[Bucket], Bucket]:
-    """Split trained parameters into fused buckets and ones sent alone (the same on every rank)."""
-    buckets: list[Bucket] = []
-    alone: Bucket = []
-    current: Bucket = []
+def cut_buckets(entries: Iterable[tuple[T, int, Hashable]]) -> tuple[list[list[T]], list[T]]:
+    """Split ``(item, nbytes, kind)`` entries, in ready order, into buckets of consecutive small
+    items of one kind (dtype, ...), cut at ``BUCKET_BYTES``, and the items sent alone."""
+    buckets: list[list[T]] = []
+    alone: list[T] = []
+    current: list[T] = []
+    current_kind: Hashable = None
     current_bytes = 0
-    for index, param in ready:
-        if param.grad_req == "null":
-            continue
-        grad = param.list_grad()[0]
-        nbytes = grad.size * np.dtype(grad.dtype).itemsize
+    for item, nbytes, kind in entries:
         if nbytes > SMALL_BYTES:  # by size alone: every rank must plan alike, whatever its devices
-            alone.append((index, param))
+            alone.append(item)
             continue
-        if current and (current_bytes >= BUCKET_BYTES or param.dtype != current[0][1].dtype):
+        if current and (current_bytes >= BUCKET_BYTES or kind != current_kind):
             buckets.append(current)
             current, current_bytes = [], 0
-        current.append((index, param))
+        current.append(item)
+        current_kind = kind
         current_bytes += nbytes
     if current:
         buckets.append(current)
     return buckets, alone
+
+
+def nbytes_of(array: mx.nd.NDArray) -> int:
+    """The array's size in bytes."""
+    return int(array.size) * np.dtype(array.dtype).itemsize
+
+
+def plan_buckets(ready: list[tuple[int, mx.gluon.Parameter]]) -> tuple[list[Bucket], Bucket]:
+    """Split trained parameters into fused buckets and ones sent alone (the same on every rank)."""
+    return cut_buckets(((index, param), nbytes_of(param.list_grad()[0]), param.dtype)
+                       for index, param in ready if param.grad_req != "null")
 
 
 def bucket_name(bucket: Bucket) -> str:
@@ -70,12 +81,8 @@ def bucket_name(bucket: Bucket) -> str:
 
 
 def bucket_layout(bucket: Bucket) -> str:
-    """What the bucket's flat buffer is made of, as ranks must agree on it: the members and
-    their shapes (a digest when that text would be long: it travels with every push)."""
-    text = ", ".join(f"{param.name}{tuple(param.list_grad()[0].shape)}" for _, param in bucket)
-    if len(text) <= LAYOUT_CHARS:
-        return f"fused [{text}]"
-    return f"fused {len(bucket)} gradients, layout {hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
+    """What the bucket's flat buffer is made of (see :func:`layout_text`)."""
+    return layout_text([(param.name, tuple(param.list_grad()[0].shape)) for _, param in bucket])
 
 
 class _FusedPushPull(mx.operator.CustomOp):
@@ -159,24 +166,38 @@ class _FusedPushPullProp(mx.operator.CustomOpProp):
 
 def push_pull_bucket_in_engine(bucket: Bucket, average: bool = False) -> None:
     """Sum every gradient of ``bucket`` over workers, in place, with one message (returns at once)."""
-    grads = []
-    for _, param in bucket:
-        copies = param.list_grad()
-        for grad in copies:
-            make_default(grad)
+    push_pull_fused_in_engine([param.list_grad() for _, param in bucket], bucket_name(bucket),
+                              bucket_layout(bucket), priority=-min(index for index, _ in bucket), average=average)
+
+
+def layout_text(members: list[tuple[str, tuple[int, ...]]]) -> str:
+    """What a fused buffer is made of, as ranks must agree on it: each member's name and shape
+    (a digest when that text would be long: it travels with every push)."""
+    text = ", ".join(f"{name}{shape}" for name, shape in members)
+    if len(text) <= LAYOUT_CHARS:
+        return f"fused [{text}]"
+    return f"fused {len(members)} gradients, layout {hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
+
+
+def push_pull_fused_in_engine(members: list[list[mx.nd.NDArray]], name: str, layout: str, priority: int = 0,
+                              average: bool = False) -> None:
+    """Sum every member (one array, or its copies on several devices) over workers, in place,
+    as one flat message named ``name`` (returns at once; readers wait in MXNet's engine)."""
+    totals = []
+    for copies in members:
+        for array in copies:
+            make_default(array)
         # several devices in this worker: their sum (a temporary) takes part, then goes back to each
-        grads.append(copies[0] if len(copies) == 1 else mx.nd.add_n(*[g.as_in_context(copies[0].context)
-                                                                       for g in copies]))
-    name = bucket_name(bucket)
+        totals.append(copies[0] if len(copies) == 1 else mx.nd.add_n(*[a.as_in_context(copies[0].context)
+                                                                        for a in copies]))
     round_id = _rounds.begin(name)
     try:
-        mx.nd.Custom(*grads, op_type=OP_TYPE, tensor=name, count=str(len(grads)), layout=bucket_layout(bucket),
-                     average="1" if average else "0",
-                     priority=str(-min(index for index, _ in bucket)), round_id=round_id, out=grads)
+        mx.nd.Custom(*totals, op_type=OP_TYPE, tensor=name, count=str(len(totals)), layout=layout,
+                     average="1" if average else "0", priority=str(int(priority)), round_id=round_id, out=totals)
     except BaseException:
         _rounds.abandon(round_id)
         raise
-    for total, (_, param) in zip_exact(grads, bucket):
-        for grad in param.list_grad():
-            if grad is not total:
-                total.copyto(grad)
+    for total, copies in zip_exact(totals, members):
+        for array in copies:
+            if array is not total:
+                total.copyto(array)

@@ -29,6 +29,7 @@ import numpy as np
 import bps_gossip as core
 from bps_gossip.compat import zip_exact
 
+from .kvstore_fusion import Call, StepFusion, teach_trainer_and_module
 from .ops import broadcast_async, finish_push_pull, to_host
 from .optimizer import refuse_in_elastic_job
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
@@ -57,6 +58,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         refuse_in_elastic_job("The 'bpsgossip' KVStore")
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
         self.overlap_backward = enabled_by_default()
+        self._fusion = StepFusion("kvstore_", self._push_pull_alone)
 
     @property
     def type(self) -> str:
@@ -109,19 +111,38 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
         """Sum ``value`` (summed over this worker's devices first) over all workers into ``out``
-        (into ``value`` when ``out`` is None)."""
+        (into ``value`` when ``out`` is None). Lists of keys summed in place are fused
+        (:mod:`mxnet_plugin.kvstore_fusion`)."""
         targets = self._keys_values(key, value if out is None else out)
         values = dict(self._keys_values(key, value))
         if self.overlap_backward:
+            if out is None and isinstance(key, (list, tuple)):
+                self.pushpull_step([(k, values[k], priority) for k, _ in targets])
+                return
             for k, dests in targets:
                 push_pull_in_engine(values[k], self._name(k), average=False, priority=priority,
                                     outs=None if out is None else dests)
             return
+        self._pushpull_on_host([(k, values[k], dests, priority) for k, dests in targets])
+
+    def pushpull_step(self, calls: list[Call]) -> None:
+        """Sum each ``(key, arrays, priority)`` over workers in place: a whole step's gradients, as
+        gluon.Trainer and Module hand them over, fused into few messages when summing in
+        MXNet's engine."""
+        if self.overlap_backward:
+            self._fusion.pushpull(calls)
+        else:
+            self._pushpull_on_host([(key, arrays, arrays, priority) for key, arrays, priority in calls])
+
+    def _push_pull_alone(self, key: Any, arrays: list[mx.nd.NDArray], priority: int) -> None:
+        push_pull_in_engine(arrays, self._name(key), average=False, priority=priority)
+
+    def _pushpull_on_host(self, calls: list[tuple[Any, list[mx.nd.NDArray], list[mx.nd.NDArray], int]]) -> None:
         raise_pending_error()
         pending = []
-        for k, dests in targets:
-            host = _local_sum(values[k])
-            pending.append(((core.push_pull_async(host, self._name(k), average=False, priority=priority,
+        for key, sources, dests, priority in calls:
+            host = _local_sum(sources)
+            pending.append(((core.push_pull_async(host, self._name(key), average=False, priority=priority,
                                                   out=host), host), dests))
         for started, dests in pending:
             finish_push_pull(started, dests)
@@ -203,3 +224,4 @@ def _teach_initialize_kvstore() -> None:
 
 _teach_create_kvstore()
 _teach_initialize_kvstore()
+teach_trainer_and_module(BpsGossip)

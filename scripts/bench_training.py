@@ -11,7 +11,8 @@ samples/s = workers * batch * steps / the slowest rank's time, median over passe
 The model is 1024-2048-2048-10 (6.3 M parameters, 25 MB of float32 gradients a step).
 
 "ours kvstore" is gluon.Trainer with ``kvstore=mx.kv.create('bpsgossip')`` (it sums, so
-``step`` gets the global batch size). The rows marked "no overlap" run with
+``step`` gets the global batch size); "ours module" is the Module API on the same network
+(its symbol, ``SoftmaxOutput``) with ``kvstore='bpsgossip'``, ``forward_backward`` + ``update``. The rows marked "no overlap" run with
 BPS_GOSSIP_OVERLAP_BACKWARD=0: the caller waits for each gradient and copies it through
 host buffers, instead of push_pull running inside MXNet's engine as soon as backward
 has written the gradient. ``--systems`` picks rows by name (MXNet's is always kept).
@@ -60,12 +61,13 @@ SYSTEMS = [
     System("ours allreduce, no overlap", "bps", env=NO_OVERLAP, mode="allreduce"),
     System("ours kvstore", "bps", mode="kvstore"),
     System("ours kvstore, no overlap", "bps", env=NO_OVERLAP, mode="kvstore"),
+    System("ours module", "bps", mode="module"),
     System("ours gossip", "bps", mode="gossip"),
     System("ours gossip, overlap", "bps", mode="gossip-overlap"),
     System(REFERENCE, "mxnet", mode="dist_sync"),
     System(CEILING, "local", mode="local"),
 ]
-SYNCHRONOUS = ("allreduce", "kvstore", "dist_sync")  # modes whose ranks must end with identical parameters
+SYNCHRONOUS = ("allreduce", "kvstore", "module", "dist_sync")  # modes whose ranks must end with identical parameters
 LAYERS = (1024, 2048, 2048, 10)
 MODELS = {"mlp": 64, "resnet18_v1": 16, "mobilenet0.25": 32}  # model -> default batch per worker
 
@@ -126,7 +128,9 @@ class TrainingWorker:
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
         optimizer = ("sgd", {"learning_rate": 0.01, "momentum": 0.9})
         try:
-            if self.kind == "bps" and self.mode == "kvstore":
+            if self.kind == "bps" and self.mode == "module":
+                self.trainer = ModuleSteps(mx, net, self.data[0], optimizer)
+            elif self.kind == "bps" and self.mode == "kvstore":
                 self.trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=mx.kv.create("bpsgossip"))
                 self.step_batch = self.batch * self.size  # a KVStore sums: the global batch size
             elif self.kind == "bps":
@@ -151,6 +155,10 @@ class TrainingWorker:
         loss = None
         for _ in range(steps):
             x, y = self.data[self.steps_done % len(self.data)]
+            if isinstance(self.trainer, ModuleSteps):
+                loss = self.trainer.step(x, y)
+                self.steps_done += 1
+                continue
             with self.mx.autograd.record():
                 loss = self.loss_fn(self.net(x), y)
             loss.backward()
@@ -177,9 +185,35 @@ class TrainingWorker:
             self.trainer.flush()
         # Trained parameters only: BatchNorm's running statistics stay each rank's own in
         # synchronous modes (as in BytePS and MXNet).
-        values = [p.data().asnumpy().astype(np.float64) for p in self.net.collect_params().values()
-                  if p.grad_req != "null"]
+        if isinstance(self.trainer, ModuleSteps):
+            values = [v.asnumpy().astype(np.float64) for v in self.trainer.module.get_params()[0].values()]
+        else:
+            values = [p.data().asnumpy().astype(np.float64) for p in self.net.collect_params().values()
+                      if p.grad_req != "null"]
         return {"sum": float(sum(v.sum() for v in values)), "sumsq": float(sum((v * v).sum() for v in values))}
+
+
+class ModuleSteps:
+    """The Module API on the benchmarked network: its symbol under SoftmaxOutput, the Gluon
+    network's initial values, ``kvstore='bpsgossip'`` (Module broadcasts rank 0's values and
+    rescales by the global batch size, as with dist_sync)."""
+
+    def __init__(self, mx: Any, net: Any, sample: tuple[Any, Any], optimizer: tuple[str, dict[str, Any]]) -> None:
+        self.mx = mx
+        x, y = sample
+        symbol = mx.sym.SoftmaxOutput(net(mx.sym.var("data")), name="softmax")
+        self.module = mx.mod.Module(symbol, data_names=["data"], label_names=["softmax_label"], context=mx.cpu())
+        self.module.bind(data_shapes=[("data", x.shape)], label_shapes=[("softmax_label", y.shape)])
+        values = {name: p.data() for name, p in net.collect_params().items()}
+        self.module.init_params(arg_params={k: v for k, v in values.items() if k in symbol.list_arguments()},
+                                aux_params={k: v for k, v in values.items() if k in symbol.list_auxiliary_states()})
+        self.module.init_optimizer(kvstore="bpsgossip", optimizer=optimizer[0], optimizer_params=optimizer[1])
+
+    def step(self, x: Any, y: Any) -> Any:
+        """One forward, backward and update; the batch's cross-entropy (not waited for)."""
+        self.module.forward_backward(self.mx.io.DataBatch([x], [y]))
+        self.module.update()
+        return -self.mx.nd.log(self.mx.nd.pick(self.module.get_outputs()[0], y) + 1e-12)
 
 
 class KVStoreGradients:

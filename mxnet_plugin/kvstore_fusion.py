@@ -1,0 +1,110 @@
+"""Fusion for the 'bpsgossip' KVStore: a whole step's pushpulls, as few messages as it takes.
+
+gluon.Trainer and Module hand a store one gradient at a time, ``pushpull(i, grad,
+priority=-i)`` for every parameter, every step. On networks of many small tensors
+(mobilenet0.25: ~80 gradients of a few KiB) one round trip each costs more than the
+step's compute. A store handed one key at a time cannot fuse without guessing what the
+rest of the step will be, so instead the step is handed over whole:
+
+- ``kv.pushpull([k1, k2, ...], [v1, v2, ...])`` (MXNet's list form) fuses the listed keys;
+- gluon.Trainer's ``_allreduce_grads`` and Module's ``_update_params`` (mxnet/model.py),
+  when their store is ours, pass all of the step's dense gradients in one such call
+  (installed by :func:`teach_trainer_and_module`; other stores and subclasses that
+  override ``_allreduce_grads`` are untouched).
+
+Consecutive small keys of one dtype and device count are summed as one flat message
+(:mod:`mxnet_plugin.fusion`, Horovod's fusion buffer), each inside MXNet's engine as soon
+as its last member exists; larger keys go alone. Every element is the same sum over
+workers as with separate pushpulls. Every rank plans from the same keys and shapes in
+the same order, so the names agree; a rank whose keys or shapes differ gets the
+server's mismatch error (the layout travels with the push).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+import mxnet as mx
+
+from .fusion import cut_buckets, layout_text, nbytes_of, push_pull_fused_in_engine
+
+Call = Tuple[Any, List[mx.nd.NDArray], int]  # (key, this worker's arrays of it, priority), summed in place
+PushAlone = Callable[[Any, List[mx.nd.NDArray], int], None]
+
+
+class StepFusion:
+    """Plans buckets for a list of in-place pushpulls (kept while the keys and shapes stay the same)."""
+
+    def __init__(self, prefix: str, push_alone: PushAlone) -> None:
+        self.prefix = prefix  # tensor names are prefix + key
+        self.push_alone = push_alone  # (key, arrays, priority): one key's in-engine push_pull
+        self.signature: tuple = ()
+        self.buckets: list[tuple[list[int], str, str]] = []  # (call indices, name, layout)
+        self.alone: list[int] = []
+
+    def pushpull(self, calls: list[Call]) -> None:
+        """Sum every call's arrays over workers, in place, fused where small (returns at once)."""
+        signature = tuple((key, arrays[0].shape, arrays[0].dtype, len(arrays)) for key, arrays, _ in calls)
+        if signature != self.signature:
+            self._plan(calls, signature)
+        for indices, name, layout in self.buckets:
+            if len(indices) == 1:
+                key, arrays, priority = calls[indices[0]]
+                self.push_alone(key, arrays, priority)
+                continue
+            push_pull_fused_in_engine([calls[i][1] for i in indices], name, layout,
+                                      priority=max(calls[i][2] for i in indices))
+        for index in self.alone:
+            self.push_alone(*calls[index])
+
+    def _plan(self, calls: list[Call], signature: tuple) -> None:
+        entries = ((index, nbytes_of(arrays[0]), (arrays[0].dtype, len(arrays)))
+                   for index, (_, arrays, _) in enumerate(calls))
+        groups, self.alone = cut_buckets(entries)
+        self.buckets = []
+        for indices in groups:
+            first = calls[indices[0]][0]
+            members = [(f"{self.prefix}{calls[i][0]}", tuple(calls[i][1][0].shape)) for i in indices]
+            self.buckets.append((indices, f"{self.prefix}fused_{first}_{len(indices)}", layout_text(members)))
+        self.signature = signature
+
+
+def _dense(arrays: list[mx.nd.NDArray]) -> bool:
+    return arrays[0].stype == "default"
+
+
+def teach_trainer_and_module(store_type: type) -> None:
+    """Make gluon.Trainer and Module hand a step's gradients to a ``store_type`` store in one call
+    (``store.pushpull_step(calls)``), so that it can fuse them."""
+    allreduce = mx.gluon.Trainer._allreduce_grads
+    if not getattr(allreduce, "_bps_gossip", False):
+        def allreduce_grads(trainer: mx.gluon.Trainer) -> None:
+            store = trainer._kvstore
+            if isinstance(store, store_type) and not trainer._update_on_kvstore:
+                calls = [(i, p.list_grad(), -i) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
+                if all(_dense(arrays) for _, arrays, _ in calls):
+                    store.pushpull_step(calls)
+                    return
+            allreduce(trainer)
+
+        allreduce_grads._bps_gossip = True
+        mx.gluon.Trainer._allreduce_grads = allreduce_grads
+
+    update = mx.model._update_params
+    if getattr(update, "_bps_gossip", False):
+        return
+
+    def update_params(param_arrays: Any, grad_arrays: Any, updater: Any, num_device: int, kvstore: Any = None,
+                      param_names: Any = None) -> None:
+        if isinstance(kvstore, store_type):
+            pairs = list(zip(param_arrays, grad_arrays))
+            calls = [(param_names[i], grads, -i) for i, (_, grads) in enumerate(pairs) if grads[0] is not None]
+            if all(_dense(grads) and _dense(args) for args, grads in pairs if grads[0] is not None):
+                kvstore.pushpull_step(calls)
+                kvstore = None  # summed: the rest is MXNet's local update
+        update(param_arrays, grad_arrays, updater, num_device, kvstore, param_names)
+
+    update_params._bps_gossip = True
+    for module in (mx.model, mx.module.module):
+        if getattr(module, "_update_params", None) is update:
+            module._update_params = update_params
