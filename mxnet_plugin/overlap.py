@@ -1,29 +1,25 @@
 """push_pull inside MXNet's engine, so that communication overlaps backward.
 
-``push_pull_in_engine(grads, name)`` returns at once. It invokes a custom operator
-(op_type ``bps_gossip_push_pull``) on the gradient, in place; MXNet runs it when
-backward has written that gradient, on one of its custom-operator threads (the pool
-grows on demand, so operators blocked on the network never starve the others), and
-every later reader of the gradient (the optimizer update) waits for it through
-MXNet's own dependency tracking. So each gradient's push_pull starts as soon as that
-gradient exists, whatever order the caller asks in, and the core's priorities
-(``-index``: first layers first) order whatever is queued at the same time.
+``push_pull_in_engine(grads, name)`` returns at once. It queues the push_pull in MXNet's
+dependency engine (:mod:`mxnet_plugin.engine_ops`: the C API's asynchronous operation,
+2-3 us a call, where a custom operator cost 200-450 us) with the gradient as the array it
+writes: MXNet starts it when backward has written that gradient, and every later reader
+of the gradient (the optimizer update) waits until the sum is in. So each gradient's
+push_pull starts as soon as that gradient exists, whatever order the caller asks in, and
+the core's priorities (``-index``: first layers first) order whatever is queued at the
+same time. No thread waits on the network: the core's engine completes the operation.
 
-The operator reads and writes the NDArray's memory directly (MXNet has granted the
-operator read access to the input and write access to the output while it runs; arrays
-that an inference forward left in a oneDNN layout are reordered before they are
-queued, see ``mxnet_plugin.layouts``): no
-``asnumpy`` and no copy back. The copies left on the hot path are the transport's:
-into the shared-memory segment (or the ZeroMQ frame) on the way out, and from it into
-the gradient on the way back.
+The operation reads and writes the NDArray's memory directly (MXNet grants it access
+while it runs; arrays that an inference forward left in a oneDNN layout are reordered
+before they are queued, see ``mxnet_plugin.layouts``): no ``asnumpy`` and no copy back.
+The copies left on the hot path are the transport's: into the shared-memory segment (or
+the ZeroMQ frame) on the way out, and from it into the gradient on the way back.
 
-Errors: the operator re-raises the core's exception, so MXNet marks every array that
-depends on the failed gradient as failed (nothing trains on a half-summed gradient).
-MXNet's own message for that (an ``MXNetError`` "Check failed ... kCustomOpForward" at
-the next wait on such an array) does not carry ours, so the exception is also logged at
-once and kept: the next call that starts a push_pull of this module (the next
-``trainer.step()``, ``kvstore.pushpull``) or :func:`raise_pending_error` raises it,
-naming the tensor.
+Errors: MXNet's completion callback cannot carry an error from Python, so a push_pull
+that fails fills its output with NaN (floating point: nothing trained on it can pass for
+a model), the exception is logged at once and kept, and the next call that starts a
+push_pull of this module (the next ``trainer.step()``, ``kvstore.pushpull``) or
+:func:`raise_pending_error` raises it, naming the tensor.
 
 ``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or ``overlap_backward=False`` where offered) turns
 this off: the caller then waits for each gradient and copies it through host buffers.
@@ -35,15 +31,18 @@ import itertools
 import logging
 import os
 import threading
+from concurrent.futures import Future
+from typing import Callable
 
 import mxnet as mx
+import numpy as np
 
 import bps_gossip as core
 from bps_gossip.api import wait_timeout
 
+from .engine_ops import push_async
 from .layouts import make_default, raw_view
 
-OP_TYPE = "bps_gossip_push_pull"
 ENV = "BPS_GOSSIP_OVERLAP_BACKWARD"
 
 log = logging.getLogger("bps_gossip.mxnet_plugin")
@@ -145,62 +144,50 @@ def raise_pending_error() -> None:
     _rounds.raise_error()
 
 
-class _PushPull(mx.operator.CustomOp):
-    """out = push_pull(in): the core's blocking push_pull on a custom-operator thread."""
+def poison(array: np.ndarray) -> None:
+    """Fill a result that failed with NaN (floating point), so that nothing trained on it can
+    pass for a model: MXNet's completion callback cannot carry the error itself."""
+    if array.dtype.kind in "fc":
+        array.fill(np.nan)
 
-    def __init__(self, tensor: str, average: bool, priority: int) -> None:
-        super().__init__()
-        self.tensor = tensor
-        self.average = average
-        self.priority = priority
-        self.done: threading.Event | None = None
 
-    def forward(self, is_train: bool, req: list[str], in_data: list, out_data: list, aux: list) -> None:
-        """Sum over workers from the input's memory straight into the output's."""
+def run_push_pull(name: str, round_id: str, reads: list[mx.nd.NDArray], writes: list[mx.nd.NDArray],
+                  priority: int, start: Callable[[], Future], finish: Callable[[bool], None]) -> None:
+    """Queue a push_pull in MXNet's engine after the pending writes to ``reads`` and ``writes``.
+
+    On one of the engine's threads ``start()`` begins it (returning the core's future);
+    ``finish(ok)`` runs when it is done, before the readers of ``writes`` are let go. An
+    error is logged at once, kept for the next call (:func:`raise_pending_error`), and
+    ``finish(False)`` must poison the outputs.
+    """
+    event = _rounds.claim(round_id)
+
+    def settle(future: Future | None, error: BaseException | None, done: Callable[[], None]) -> None:
         try:
-            source = raw_view(in_data[0], f"push_pull({self.tensor!r})")
-            target = raw_view(out_data[0], f"push_pull({self.tensor!r})")
-            core.push_pull(source, self.tensor, average=self.average, priority=self.priority, out=target)
-        except BaseException as exc:
-            _rounds.fail(self.tensor, exc)
-            raise  # MXNet marks the output failed: nothing downstream runs on it
+            error = error if future is None else future.exception()
+            if error is not None:
+                _rounds.fail(name, error)
+            finish(error is None)
+        except BaseException as exc:  # noqa: BLE001 - a failure here must still release the engine
+            _rounds.fail(name, exc)
         finally:
-            if self.done is not None:
-                self.done.set()
+            done()
+            if event is not None:
+                event.set()
 
-    def backward(self, req: list[str], out_grad: list, in_data: list, out_data: list, in_grad: list,
-                 aux: list) -> None:
-        """Never differentiated."""
-        raise NotImplementedError("bps_gossip_push_pull has no gradient")
+    def work(done: Callable[[], None]) -> None:
+        try:
+            future = start()
+        except BaseException as exc:  # noqa: BLE001 - refused at once (layout, shape, shutdown)
+            settle(None, exc, done)
+            return
+        future.add_done_callback(lambda f: settle(f, None, done))
 
-
-@mx.operator.register(OP_TYPE)
-class _PushPullProp(mx.operator.CustomOpProp):
-    """Shape and dtype of the output are those of the input."""
-
-    def __init__(self, tensor: str, average: str = "0", priority: str = "0", round_id: str = "") -> None:
-        super().__init__(need_top_grad=False)
-        self.tensor = tensor
-        self.average = average == "1"
-        self.priority = int(priority)
-        self.round_id = round_id
-
-    def list_arguments(self) -> list[str]:
-        return ["data"]
-
-    def list_outputs(self) -> list[str]:
-        return ["output"]
-
-    def infer_shape(self, in_shape: list) -> tuple[list, list, list]:
-        return in_shape, [in_shape[0]], []
-
-    def infer_type(self, in_type: list) -> tuple[list, list, list]:
-        return in_type, [in_type[0]], []
-
-    def create_operator(self, ctx: mx.Context, in_shapes: list, in_dtypes: list) -> _PushPull:
-        op = _PushPull(self.tensor, self.average, self.priority)
-        op.done = _rounds.claim(self.round_id)
-        return op
+    try:
+        push_async(work, [a for a in reads if not any(a is w for w in writes)], writes, name, priority)
+    except BaseException:
+        _rounds.abandon(round_id)  # refused before it was queued: no round to wait for
+        raise
 
 
 def push_pull_in_engine(sources: list[mx.nd.NDArray], name: str, average: bool = False, priority: int = 0,
@@ -223,12 +210,19 @@ def push_pull_in_engine(sources: list[mx.nd.NDArray], name: str, average: bool =
         result = first  # in place when first is the source itself
     else:
         result = total  # total is a temporary here (or lives on another device)
-    try:
-        mx.nd.Custom(total, op_type=OP_TYPE, tensor=name, average="1" if average else "0",
-                     priority=str(int(priority)), round_id=round_id, out=result)
-    except BaseException:
-        _rounds.abandon(round_id)  # refused before it was queued: no round to wait for
-        raise
+    where = f"push_pull({name!r})"
+    views: list[np.ndarray] = []
+
+    def start() -> Future:
+        source, target = raw_view(total, where), raw_view(result, where)
+        views.append(target)
+        return core.push_pull_async(source, name, average=average, priority=priority, out=target)
+
+    def finish(ok: bool) -> None:
+        if not ok and views:
+            poison(views[0])
+
+    run_push_pull(name, round_id, [total], [result], priority, start, finish)
     for target in targets:
         if target is not result:
             result.copyto(target)

@@ -115,9 +115,9 @@ for step in range(3):  # no waits of our own: the next step() must raise the kep
         caught.append([step, type(exc).__name__, str(exc), time.monotonic() - start])
         break
 out["caught"] = caught
-# the failure poisons what depends on it: an MXNet wait raises instead of hanging
-kind, msg = raises(Exception, net.weight.data().asnumpy)
-out["weight_wait"] = kind
+# the failure poisons what depends on it: the gradient is NaN, so the weight updated from it
+# is NaN too (a wait returns instead of hanging, and nothing passes for a trained model)
+out["weight_nan"] = bool(np.isnan(net.weight.data().asnumpy()).all())
 # and the process goes on: a fresh push_pull works
 probe = mx.nd.ones((2,))
 bps.byteps_push_pull(probe, name="after_overlap_mismatch", is_average=False)
@@ -141,5 +141,5 @@ def test_overlap_mismatch_raises_on_every_rank(cluster):
         assert "mismatched_weight" in msg and "(3, 4)" in msg and "(4, 4)" in msg, msg
         assert step == 1, f"rank {r['rank']}: raised at step {step}, expected the step after the failure"
         assert seconds < 8, f"rank {r['rank']} waited {seconds:.1f} s"
-        assert r["weight_wait"] != "none", "a wait on a weight computed from the failed gradient returned"
+        assert r["weight_nan"], "a weight computed from the failed gradient is not poisoned"
     job.wait_servers_exit()
