@@ -13,7 +13,7 @@ costs nothing when the layout is already the default (one C call, ~1 us); otherw
 it waits for the array and reorders it once, as MXNet itself does before saving it.
 The next inference forward reorders the weight again, as it would anyway.
 
-Inside MXNet's engine (a custom operator) an array cannot be reordered: that would
+Inside MXNet's engine (an operation queued there) an array cannot be reordered: that would
 wait for the operator itself. :func:`raw_view` there only checks, without waiting,
 and raises :class:`OneDNNLayoutError` instead of reading blocked memory as if it were
 plain.
