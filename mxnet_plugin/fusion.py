@@ -93,10 +93,19 @@ def _buffer(name: str, size: int, dtype: np.dtype) -> np.ndarray:
         return flat
 
 
-def push_pull_bucket_in_engine(bucket: Bucket, average: bool = False) -> None:
-    """Sum every gradient of ``bucket`` over workers, in place, with one message (returns at once)."""
-    push_pull_fused_in_engine([param.list_grad() for _, param in bucket], bucket_name(bucket),
-                              bucket_layout(bucket), priority=-min(index for index, _ in bucket), average=average)
+class PlannedBucket:
+    """A bucket with what every step needs of it worked out once: name, layout, priority."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.params = [param for _, param in bucket]
+        self.name = bucket_name(bucket)
+        self.layout = bucket_layout(bucket)
+        self.priority = -min(index for index, _ in bucket)
+
+    def push_pull_in_engine(self, average: bool = False) -> None:
+        """Sum every gradient of the bucket over workers, in place, with one message (returns at once)."""
+        push_pull_fused_in_engine([param.list_grad() for param in self.params], self.name, self.layout,
+                                  priority=self.priority, average=average)
 
 
 def layout_text(members: list[tuple[str, tuple[int, ...]]]) -> str:

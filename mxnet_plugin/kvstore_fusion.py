@@ -38,15 +38,14 @@ class StepFusion:
     def __init__(self, prefix: str, push_alone: PushAlone) -> None:
         self.prefix = prefix  # tensor names are prefix + key
         self.push_alone = push_alone  # (key, arrays, priority): one key's in-engine push_pull
-        self.signature: tuple = ()
+        self.signature: tuple = ()  # ((key, arrays), ...) of the planned calls
         self.buckets: list[tuple[list[int], str, str]] = []  # (call indices, name, layout)
         self.alone: list[int] = []
 
     def pushpull(self, calls: list[Call]) -> None:
         """Sum every call's arrays over workers, in place, fused where small (returns at once)."""
-        signature = tuple((key, arrays[0].shape, arrays[0].dtype, len(arrays)) for key, arrays, _ in calls)
-        if signature != self.signature:
-            self._plan(calls, signature)
+        if not self._same_calls(calls):
+            self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
         for indices, name, layout in self.buckets:
             if len(indices) == 1:
                 key, arrays, priority = calls[indices[0]]
@@ -56,6 +55,16 @@ class StepFusion:
                                       priority=max(calls[i][2] for i in indices))
         for index in self.alone:
             self.push_alone(*calls[index])
+
+    def _same_calls(self, calls: list[Call]) -> bool:
+        """Whether ``calls`` are the planned ones: the same keys with the same array objects (the
+        plan holds them, so their ids cannot be reused; an array's shape and dtype never change)."""
+        if len(calls) != len(self.signature):
+            return False
+        for (key, arrays, _), (planned_key, planned) in zip(calls, self.signature):
+            if key != planned_key or len(arrays) != len(planned) or any(a is not b for a, b in zip(arrays, planned)):
+                return False
+        return True
 
     def _plan(self, calls: list[Call], signature: tuple) -> None:
         entries = ((index, nbytes_of(arrays[0]), (arrays[0].dtype, len(arrays)))
@@ -73,6 +82,13 @@ def _dense(arrays: list[mx.nd.NDArray]) -> bool:
     return arrays[0].stype == "default"
 
 
+def _dense_gradient(param: mx.gluon.Parameter) -> bool:
+    """Whether the parameter's gradient is dense: its declared storage (no C call per array every
+    step) where gluon keeps it, else its array's."""
+    stype = getattr(param, "_grad_stype", None)
+    return stype == "default" if isinstance(stype, str) else _dense(param.list_grad())
+
+
 def teach_trainer_and_module(store_type: type) -> None:
     """Make gluon.Trainer and Module hand a step's gradients to a ``store_type`` store in one call
     (``store.pushpull_step(calls)``), so that it can fuse them."""
@@ -81,8 +97,9 @@ def teach_trainer_and_module(store_type: type) -> None:
         def allreduce_grads(trainer: mx.gluon.Trainer) -> None:
             store = trainer._kvstore
             if isinstance(store, store_type) and not trainer._update_on_kvstore:
-                calls = [(i, p.list_grad(), -i) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
-                if all(_dense(arrays) for _, arrays, _ in calls):
+                trained = [(i, p) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
+                if all(_dense_gradient(p) for _, p in trained):
+                    calls = [(i, p.list_grad(), -i) for i, p in trained]
                     store.pushpull_step(calls)
                     return
             allreduce(trainer)

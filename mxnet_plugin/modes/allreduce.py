@@ -23,7 +23,7 @@ import numpy as np
 
 import bps_gossip as core
 
-from ..fusion import Bucket, plan_buckets, push_pull_bucket_in_engine
+from ..fusion import Bucket, PlannedBucket, plan_buckets
 from ..ops import finish_push_pull, push_pull_async, to_device, to_host
 from ..overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 from .base import ModeSetup, TrainerMode
@@ -60,7 +60,7 @@ class AllreduceMode(TrainerMode):
         # that order lets the last layers' push_pulls run while earlier layers still compute.
         index_of = {id(param): index for index, param in enumerate(trainer._params)}
         self.ready_order: Bucket = [(index_of[id(p)], p) for p in reversed(setup.registered)]
-        self.buckets: list[Bucket] | None = None  # fused small gradients, planned at the first step
+        self.buckets: list[PlannedBucket] | None = None  # fused small gradients, planned at the first step
         self.alone: Bucket = []  # gradients too large to fuse
         self.batch_size = 1  # this worker's batch of the current step (compressed path)
         self.unscaled = trainer._scale
@@ -117,9 +117,10 @@ class AllreduceMode(TrainerMode):
 
     def _push_pull_in_engine(self) -> None:
         if self.buckets is None:  # grad_req and devices are settled by the first step
-            self.buckets, self.alone = plan_buckets(self.ready_order)
+            buckets, self.alone = plan_buckets(self.ready_order)
+            self.buckets = [PlannedBucket(bucket) for bucket in buckets]
         for bucket in self.buckets:  # small gradients: one message per bucket (fusion.py)
-            push_pull_bucket_in_engine(bucket)
+            bucket.push_pull_in_engine()
         for index, param in self.alone:
             push_pull_in_engine(param.list_grad(), _gradient_name(param), average=False, priority=-index)
 
