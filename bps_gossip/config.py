@@ -44,6 +44,7 @@ class Config:
     partition_bytes: int = 4096000
     scheduling_credit: int = 4
     server_engine_threads: int = 2
+    server_io_threads: int = 2  # ZeroMQ I/O threads of a server: CURVE encrypts on them
     log_level: str = "WARNING"
     force_distributed: bool = False
     min_compress_bytes: int = 65536  # BytePS's default: smaller tensors go uncompressed
@@ -242,6 +243,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
+        server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", min(4, os.cpu_count() or 1), minimum=1),
         log_level=log_level,
         force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
         min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),

@@ -16,6 +16,7 @@ import bps_gossip as core
 from bps_gossip.futures import Future as Handle
 
 from .layouts import make_default
+from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 
 
 def _check_tensor(tensor: object, where: str, name: object) -> mx.nd.NDArray:
@@ -65,9 +66,17 @@ def byteps_push_pull(tensor: mx.nd.NDArray, version: int = 0, priority: int = 0,
 
     As in BytePS, the result is written into ``tensor``; unlike BytePS the call returns
     only when it is there (so ``tensor.wait_to_read()`` is not needed, but harmless).
+    The push_pull runs in MXNet's engine on the tensor's own memory (no copy to and from
+    a host array) unless BPS_GOSSIP_OVERLAP_BACKWARD=0 or the job is elastic.
     """
     name = _require_name(name, "byteps_push_pull")
     _check_tensor(tensor, "byteps_push_pull", name)
+    if tensor.size and enabled_by_default() and not core.is_elastic():
+        raise_pending_error()
+        push_pull_in_engine([tensor], name, average=is_average, priority=priority)
+        tensor.wait_to_read()
+        raise_pending_error()  # this push_pull's own error, if it failed
+        return
     host = to_host(tensor)
     core.push_pull(host, name, average=is_average, priority=priority, version=version, out=host)
     to_device(host, tensor)

@@ -56,12 +56,14 @@ def test_every_variable_is_parsed():
         "BPS_GOSSIP_PORT": "5555",
         "BPS_GOSSIP_SHM": "off",
         "BPS_GOSSIP_STALL_TIMEOUT": "1",
+        "BPS_GOSSIP_SERVER_IO_THREADS": "3",
     })
     assert config == Config(
         role="server", num_worker=3, num_server=2, root_uri="10.1.2.3", root_port=1234, worker_id=2,
         node_host="node7.example", local_rank=1, local_size=4, partition_bytes=8192, scheduling_credit=7,
         server_engine_threads=5, log_level="DEBUG", force_distributed=True, min_compress_bytes=1000,
         timeout=2.5, heartbeat_interval=0.25, heartbeat_timeout=3.0, port=5555, shm=False, stall_timeout=1.0,
+        server_io_threads=3,
     )
     assert config.scheduler_address == "tcp://10.1.2.3:1234"
     assert config.job_id == "1234"
@@ -187,6 +189,8 @@ BAD = [
     ("BPS_GOSSIP_MODE", "fast", {}),
     ("BPS_GOSSIP_MAX_MESSAGE_BYTES", "1000", {}),
     ("BPS_GOSSIP_SECRET_FILE", "/nonexistent/secret", {}),
+    ("BPS_GOSSIP_SERVER_IO_THREADS", "0", {}),
+    ("BPS_GOSSIP_SERVER_IO_THREADS", "two", {}),
 ]
 
 
