@@ -92,7 +92,9 @@ class GossipAverager:
         if self.overlap:
             while self.open and (len(self.open) > self.synch_freq or self.open[0].arrived()):
                 self._absorb(self.open.popleft())
-        pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight)
+        # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
+        # over x; an open round must take it now, before x changes.
+        pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight, defer_scaling=not self.overlap)
         self.rnd += 1
         if self.overlap:
             self.open.append(pending)
