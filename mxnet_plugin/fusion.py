@@ -71,7 +71,7 @@ def nbytes_of(array: mx.nd.NDArray) -> int:
 
 def plan_buckets(ready: list[tuple[int, mx.gluon.Parameter]]) -> tuple[list[Bucket], Bucket]:
     """Split trained parameters into fused buckets and ones sent alone (the same on every rank)."""
-    return cut_buckets(((index, param), nbytes_of(param.list_grad()[0]), param.dtype)
+    return cut_buckets(((index, param), nbytes_of(param.list_grad()[0]), np.dtype(param.dtype))
                        for index, param in ready if param.grad_req != "null")
 
 
