@@ -55,6 +55,7 @@ class Round:
         self.count = count
         self.pushes: dict[int, Contribution] = {}  # by rank
         self.acc: np.ndarray | None = None
+        self.acc_in_region = False  # the sum lives in the first pusher's shared-memory region
         self.added = 0
         self.error: str | None = None
         self.lock = threading.Lock()
@@ -87,6 +88,7 @@ class Round:
                 # The first pusher's own region becomes the sum: its worker waits for the result
                 # and reads it from there anyway, so no copy (one memory pass less per round).
                 self.acc = data if region else data.copy()
+                self.acc_in_region = region
             else:
                 np.add(self.acc, data, out=self.acc)
             self.added += 1

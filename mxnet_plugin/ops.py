@@ -71,7 +71,8 @@ def byteps_push_pull(tensor: mx.nd.NDArray, version: int = 0, priority: int = 0,
     """
     name = _require_name(name, "byteps_push_pull")
     _check_tensor(tensor, "byteps_push_pull", name)
-    if tensor.size and enabled_by_default() and not core.is_elastic():
+    # (a 0-d NDArray of MXNet's legacy semantics has no plain memory to view: host path)
+    if tensor.ndim and tensor.size and enabled_by_default() and not core.is_elastic():
         raise_pending_error()
         push_pull_in_engine([tensor], name, average=is_average, priority=priority)
         tensor.wait_to_read()

@@ -331,3 +331,38 @@ def test_thousands_of_partitions_in_flight(cluster):
     for f in done:
         assert f.result == {"huge": True, "tiny": True}
     job.wait_servers_exit()
+
+
+MIXED_PATHS = '''
+import numpy as np
+import bps_gossip as bps
+bps.init()
+rank, size = bps.rank(), bps.size()
+failures = []
+n = 1 << 20  # 4 MiB of float32: summed on the server's pool, copies that take a while
+value = np.empty(n, np.float32)
+out = np.empty(n, np.float32)
+for step in range(40):
+    value.fill(rank + 10 * step)  # every round differs: a result from the next round shows
+    bps.push_pull(value, "mixed", average=False, out=out)
+    want = sum(r + 10 * step for r in range(size))
+    if not (out == want).all():
+        bad = out[out != want]
+        failures.append(f"step {step}: {bad.size} elements wrong, e.g. {bad[0]} (want {want})")
+        break
+report({"rank": rank, "failures": failures})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_and_tcp_workers_in_one_round(cluster):
+    """Ranks 0 and 1 push through shared memory, rank 2 over TCP: the server's sum lives in a
+    worker's region, which that worker reuses for its next push as soon as it has read it, so
+    the TCP worker's copy must be taken before anyone hears of the result."""
+    job = cluster(3)
+    done = job.run_workers(MIXED_PATHS, timeout=110, per_rank_env={2: {"BPS_GOSSIP_SHM": "0"}})
+    assert_all_ok(done, job)
+    for result in (f.result for f in done):
+        assert not result["failures"], result
+    job.wait_servers_exit()

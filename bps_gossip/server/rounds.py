@@ -234,11 +234,16 @@ class Rounds:
             for who in rnd.pushes.values():
                 self.reply(who, Result(req=who.req), (result,))
             return
+        # A sum that lives in a worker's region goes to remote workers as a copy, taken before
+        # anyone hears of the result: that worker reuses its region for its next push as soon as
+        # it has read the sum, and ZeroMQ sends frames later still.
+        remote = any(who.region is None for who in rnd.pushes.values())
+        frame = rnd.acc.copy() if remote and rnd.acc_in_region else rnd.acc
         for who in rnd.pushes.values():
             if who.region is not None:  # the sum is already in its region (write_back)
                 self.reply(who, Result(req=who.req, shm=True), ())
             else:
-                self.reply(who, Result(req=who.req), (rnd.acc,))
+                self.reply(who, Result(req=who.req), (frame,))
 
     def pool_done(self, rid: RoundId, error: str | None) -> None:
         """A round the pool completed (or whose summation failed)."""
