@@ -116,6 +116,12 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         targets = self._keys_values(key, value if out is None else out)
         values = dict(self._keys_values(key, value))
         if self.overlap_backward:
+            # The caller's arrays may still be being computed, and MXNet allocates such an array's
+            # memory when it runs: taking its address from here first would allocate it twice.
+            # (gluon.Trainer and Module come through pushpull_step with gradients that exist.)
+            for _, arrays in (*targets, *values.items()):
+                for array in arrays:
+                    array.wait_to_read()
             if out is None and isinstance(key, (list, tuple)):
                 self.pushpull_step([(k, values[k], priority) for k, _ in targets])
                 return

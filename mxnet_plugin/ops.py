@@ -74,6 +74,9 @@ def byteps_push_pull(tensor: mx.nd.NDArray, version: int = 0, priority: int = 0,
     # (a 0-d NDArray of MXNet's legacy semantics has no plain memory to view: host path)
     if tensor.ndim and tensor.size and enabled_by_default() and not core.is_elastic():
         raise_pending_error()
+        # A tensor an operation is still computing may not have its memory yet, and asking for
+        # its address from this thread would allocate it a second time beside that operation.
+        tensor.wait_to_read()
         push_pull_in_engine([tensor], name, average=is_average, priority=priority)
         tensor.wait_to_read()
         raise_pending_error()  # this push_pull's own error, if it failed

@@ -196,6 +196,9 @@ def push_pull_in_engine(sources: list[mx.nd.NDArray], name: str, average: bool =
     workers into every array of ``outs`` (default: into ``sources``), inside MXNet's engine.
 
     Returns at once; readers of ``outs`` wait for the result as for any MXNet operation.
+    Every array must have its memory already (not be the fresh output of an operation that has
+    not run: MXNet allocates such memory when the operation runs, and looking up its address
+    from here would allocate it a second time); gradients and parameters always have it.
     """
     targets = sources if outs is None else outs
     for array in sources if outs is None else (*sources, *outs):
