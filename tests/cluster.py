@@ -127,8 +127,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.kill_all()
                 raise AssertionError(f"process {proc.args} did not finish within {timeout} s:\n{self.dump()}") from None
-            finished.append(Finished(getattr(proc, "rank_hint", -1), proc.returncode, _read(proc.out_file),
-                                     _read(proc.err_file)))
+            finished.append(Finished(getattr(proc, "rank_hint", -1), proc.returncode, read_output(proc.out_file),
+                                     read_output(proc.err_file)))
         return finished
 
     def run_workers(self, code: str, timeout: float = 60, **kwargs: Any) -> list[Finished]:
@@ -148,7 +148,7 @@ class Cluster:
         """Everything every process printed, for failure messages."""
         parts = []
         for proc in self.procs:
-            parts.append(f"--- {proc.args} rc={proc.poll()}\n{_read(proc.out_file)}{_read(proc.err_file)}")
+            parts.append(f"--- {proc.args} rc={proc.poll()}\n{read_output(proc.out_file)}{read_output(proc.err_file)}")
         return "\n".join(parts)
 
     def kill_all(self) -> None:
@@ -164,10 +164,17 @@ class Cluster:
             proc.err_file.close()
 
 
-def _read(handle: Any) -> str:
-    handle.flush()
-    handle.seek(0)
-    return handle.read()
+def read_output(handle: Any) -> str:
+    """Everything written so far to ``handle``, a file a child process writes to. Read at
+    explicit offsets: the child shares the file's offset, and a seek here would make its next
+    write land over what it wrote before (a test then sees lines vanish)."""
+    chunks, offset = [], 0
+    while True:
+        chunk = os.pread(handle.fileno(), 1 << 20, offset)
+        if not chunk:
+            return b"".join(chunks).decode(errors="replace")
+        chunks.append(chunk)
+        offset += len(chunk)
 
 
 def assert_all_ok(finished: list[Finished], cluster: Cluster) -> None:

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cluster import FAST_ENV, free_port
+from cluster import FAST_ENV, free_port, read_output
 
 from bps_gossip.launch import cli, supervisor
 from bps_gossip.launch.supervisor import kill_groups
@@ -78,12 +78,8 @@ class Job:
 
     @staticmethod
     def output(proc: subprocess.Popen) -> tuple[str, str]:
-        texts = []
-        for handle in proc.files:  # type: ignore[attr-defined]
-            handle.flush()
-            handle.seek(0)
-            texts.append(handle.read())
-        return texts[0], texts[1]
+        out, err = proc.files  # type: ignore[attr-defined]
+        return read_output(out), read_output(err)
 
     def finish(self, proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str, str]:
         """Wait for ``proc``; return its exit code, stdout and stderr."""
