@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
+from .hosts import HOST_REDUCE_MODES
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
@@ -53,6 +54,7 @@ class Config:
     heartbeat_timeout: float = 10.0
     port: int = 0
     shm: bool = True
+    host_reduce: str = "auto"  # workers on one host reduce first, one of them pushes (bps_gossip.hosts)
     elastic: bool = False
     min_workers: int = 1
     max_workers: int = 0  # 0: no limit
@@ -153,6 +155,14 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     return raw.lower()
 
 
+def _host_reduce(env: Mapping[str, str]) -> str:
+    """BPS_GOSSIP_HOST_REDUCE: auto (default), on or off; a boolean means on or off."""
+    raw = _get(env, "BPS_GOSSIP_HOST_REDUCE")
+    if raw is not None and raw.strip().lower() not in HOST_REDUCE_MODES:
+        return "on" if _bool(env, "BPS_GOSSIP_HOST_REDUCE", False) else "off"
+    return _choice(env, "BPS_GOSSIP_HOST_REDUCE", HOST_REDUCE_MODES)
+
+
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None:
@@ -250,6 +260,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         **_timeouts(env),
         port=port,
         shm=_bool(env, "BPS_GOSSIP_SHM", True),
+        host_reduce=_host_reduce(env),
         **_elastic(env, shape["num_worker"] * shape["local_size"]),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
         use_kubernetes=_bool(env, "DMLC_USE_KUBERNETES", False),

@@ -63,3 +63,26 @@ class JobEndedError(BpsGossipError):
 
 class JobFailedError(PeerLostError):
     """An elastic job cannot go on (fewer workers than BPS_GOSSIP_MIN_WORKERS for too long)."""
+
+
+# The error of each kind a server (or a host leader) sends with a failed push, and back.
+_BY_KIND: dict[str, type[BpsGossipError]] = {
+    "mismatch": TensorMismatchError,
+    "lost": PeerLostError,
+    "timeout": CommTimeoutError,
+    "protocol": ProtocolError,
+    "changed": WorkersChangedError,
+}
+
+
+def error_for(kind: str, why: str) -> BpsGossipError:
+    """The exception a worker raises for a failed push of ``kind`` (protocol.ERROR_KINDS)."""
+    return _BY_KIND.get(kind, BpsGossipError)(why)
+
+
+def kind_of(error: BaseException) -> str:
+    """The ERROR_KINDS name that carries ``error`` to another worker (the most specific one)."""
+    for kind, cls in reversed(_BY_KIND.items()):
+        if isinstance(error, cls):
+            return kind
+    return "lost"

@@ -29,6 +29,7 @@ class Node:
     local_rank: int = 0
     local_size: int = 1
     peer_addr: str = ""
+    host_reduce: str = "off"
     rank: int = -1
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     state: str = "alive"  # alive | joining (elastic, not admitted yet) | left | lost
@@ -182,6 +183,7 @@ class Membership:
                     "pid": w.pid,
                     "local_rank": w.local_rank,
                     "local_size": w.local_size,
+                    "host_reduce": w.host_reduce,
                 }
                 for w in self.workers("alive")
             ],

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import fields
 from ..errors import ProtocolError
+from ..hosts import HOST_REDUCE_MODES
 from .base import (
     MAX_RANK,
     MAX_WHY,
@@ -43,9 +44,12 @@ class Register(Message):
     peer_addr: str = text(256, "")  # a worker's gossip endpoint
     num_worker: int | None = optional_integer(wire="DMLC_NUM_WORKER")  # checked against the scheduler's
     num_server: int | None = optional_integer(wire="DMLC_NUM_SERVER")
+    host_reduce: str = text(8, "off")  # a worker's BPS_GOSSIP_HOST_REDUCE, "off" if it cannot (hosts.py)
 
     def __post_init__(self) -> None:
         self._check(self.role in ROLES, f"cannot register role {self.role!r}")
+        self._check(self.host_reduce in HOST_REDUCE_MODES, f"host_reduce {self.host_reduce!r} is not one of "
+                                                           f"{HOST_REDUCE_MODES}")
         self._check(self.local_rank < self.local_size,
                     f"local_rank {self.local_rank} is not below local_size {self.local_size}")
 
@@ -93,6 +97,13 @@ def _read_workers(msg: Mapping[str, Any], key: str) -> list[BookEntry]:
     return [BookEntry.read(entry) for entry in value]
 
 
+def _host_reduce(entry: Mapping[str, Any]) -> str:
+    mode = fields.text(entry, "host_reduce", 8, "off")
+    if mode not in HOST_REDUCE_MODES:
+        raise ProtocolError(f"field 'host_reduce'={mode!r} is not one of {HOST_REDUCE_MODES}")
+    return mode
+
+
 @dataclasses.dataclass(frozen=True)
 class BookEntry:
     """One worker in the address book."""
@@ -104,6 +115,7 @@ class BookEntry:
     pid: int
     local_rank: int
     local_size: int
+    host_reduce: str = "off"  # how it reduces with the workers on its host (bps_gossip.hosts)
 
     @classmethod
     def read(cls, entry: Any) -> BookEntry:
@@ -118,7 +130,8 @@ class BookEntry:
         return cls(rank=fields.integer(entry, "rank", 0, MAX_RANK), uid=uid, addr=fields.text(entry, "addr", 256),
                    host=fields.text(entry, "host", 256), pid=fields.integer(entry, "pid", 0, 1 << 31),
                    local_rank=fields.integer(entry, "local_rank", 0, 1 << 16),
-                   local_size=fields.integer(entry, "local_size", 1, 1 << 16))
+                   local_size=fields.integer(entry, "local_size", 1, 1 << 16),
+                   host_reduce=_host_reduce(entry))
 
     @property
     def routing_id(self) -> bytes:

@@ -79,6 +79,7 @@ class Push(Message):
     codec: dict[str, Any] | None = custom(_codec_spec, None)  # compressed: the codec's parameters
     shm: str | None = optional_text(256)  # the worker's segment holding the payload
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
+    hosted: bool = custom(lambda m, k: fields.flag(m, k, False), False)  # a host leader's sum (bps_gossip.hosts)
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
@@ -86,6 +87,7 @@ class Push(Message):
         self._check(self.shm is None or self.offset is not None, "a shared-memory push needs an offset")
         self._check(self.codec is None or (self.shm is None and dtype == np.uint8),
                     "compressed pushes come as uint8 frames")
+        self._check(not (self.hosted and self.codec is not None), "a host's sum is never compressed")
 
     @staticmethod
     def header(**values: Any) -> dict[str, Any]:

@@ -121,6 +121,7 @@ class Scheduler:
                 return
         node = Node(uid=uid, role=msg.role, addr=msg.addr, host=msg.host, pid=msg.pid, worker_id=msg.worker_id,
                     local_rank=msg.local_rank, local_size=msg.local_size, peer_addr=msg.peer_addr,
+                    host_reduce=msg.host_reduce if msg.role == "worker" else "off",
                     local=LocalProcess.find(msg.pid, msg.start_ticks))
         try:
             if not self.members.started:  # a replacement may come before the next tick sees its predecessor die

@@ -23,6 +23,7 @@ from ..aggregation import Contribution, Round, RoundId
 from ..compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from ..config import Config
 from ..errors import ProtocolError
+from ..hosts import host_groups
 from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..transport.shm import AttachedSegments, owner_pid
 from .pool import SumPool
@@ -56,6 +57,7 @@ class Rounds:
         self.size = 0
         self.ranks: dict[bytes, int] = {}  # a worker's routing id -> its rank, from the address book
         self.pids: list[int] = []  # by rank: a worker's shared-memory segments carry its pid
+        self.leaders: frozenset[int] = frozenset()  # ranks that push their host's sum (bps_gossip.hosts)
         self.book_generation = 0  # the generation of the last address book
         self.early: collections.deque[Held] = collections.deque()
         self.early_bytes = 0
@@ -67,6 +69,10 @@ class Rounds:
         self.size = len(book.workers)
         self.ranks = {w.routing_id: index for index, w in enumerate(book.workers)}
         self.pids = [w.pid for w in book.workers]
+        groups = host_groups([w.addr for w in book.workers], [w.host_reduce for w in book.workers], book.servers)
+        self.leaders = frozenset(group[0] for group in groups if len(group) > 1)
+        if self.leaders:  # ranks that are alone on their host push for themselves, as leaders do
+            self.leaders = frozenset(group[0] for group in groups)
         self.book_generation = book.generation
         self.new_generation(book.generation, "a new generation began")
         early, self.early, self.early_bytes = self.early, collections.deque(), 0
@@ -183,14 +189,24 @@ class Rounds:
             return "changed", f"tensor {push.name!r}: generation {push.gen} of the job has ended"
         return None
 
+    def expected_ranks(self, rnd: Round) -> frozenset[int] | range:
+        """The ranks whose pushes complete ``rnd``: every worker's, or each host's leader's."""
+        return self.leaders if rnd.hosted else range(self.size)
+
     def _store(self, who: Contribution, push: Push, codec: Any) -> Round | None:
         """The push's round, with the push in it; None if the round failed (everyone told)."""
         rid = (push.gen, push.key, push.part, push.seq)
         rnd = self.rounds.get(rid)
         if rnd is None:
             merge = (codec[1], codec[2]) if codec is not None else (False, None)
-            rnd = self.rounds[rid] = Round(rid, push.name, push.signature, push.wire, push.count, self.size,
+            if push.hosted and who.rank not in self.leaders:
+                self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed a host's sum but "
+                                             "leads no host group of this generation")
+                return None
+            rnd = self.rounds[rid] = Round(rid, push.name, push.signature, push.wire, push.count,
+                                           len(self.leaders) if push.hosted else self.size,
                                            codec[0] if codec is not None else None, merge)
+            rnd.hosted = push.hosted
         elif who.rank in rnd.pushes:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
@@ -202,6 +218,9 @@ class Rounds:
                 self.rounds.pop(rid, None)
             return None
         rnd.error = rnd.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
+        if rnd.error is None and push.hosted != rnd.hosted:  # also a non-leader's host sum
+            rnd.error = (f"tensor {push.name!r}: ranks {sorted(rnd.pushes)} and rank {who.rank} disagree on "
+                         "reducing by host first (BPS_GOSSIP_HOST_REDUCE, compression)")
         rnd.pushes[who.rank] = who
         if rnd.error is not None:
             self.fail(rnd, "mismatch", rnd.error)
@@ -270,7 +289,7 @@ class Rounds:
             if stall is not None:
                 stalls.append(stall)
             if rnd.error is None and now - rnd.created > timeout:
-                missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+                missing = sorted(set(self.expected_ranks(rnd)) - set(rnd.pushes))
                 self.fail(rnd, "timeout", f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} did not "
                                           f"push within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
                 self.rounds.pop(rnd.rid, None)
@@ -285,7 +304,9 @@ class Rounds:
                 or now - rnd.created <= stall:
             return None
         rnd.stall_reported = True
-        missing = sorted(set(range(rnd.expected)) - set(rnd.pushes))
+        if rnd.hosted:  # a missing leader waits on its host: the leader reports whom (host_reduce)
+            return None
+        missing = sorted(set(self.expected_ranks(rnd)) - set(rnd.pushes))
         if not missing or len(missing) > len(rnd.pushes):
             return None
         return Stalled(ranks=missing, generation=rnd.rid[0],

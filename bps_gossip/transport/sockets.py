@@ -41,6 +41,7 @@ class _Spec:
     serve: bool  # binds (CURVE server) rather than connects
     linger_ms: int
     unbounded: bool = False  # no high-water marks (see below)
+    unbounded_send: bool = False  # no send high-water mark
     handover: bool = False  # a reconnecting peer takes its routing id over at once
     needs_identity: bool = False  # the receiver knows the sender by its routing id
     max_frame: Callable[[Config], int] | None = None  # a larger frame drops the connection
@@ -60,7 +61,10 @@ _SPECS: dict[SocketRole, _Spec] = {
     # No high-water mark: a full queue would block the worker's engine thread (no heartbeats,
     # no replies read) on send; credit bounds large partitions, the caller's arrays the rest.
     SocketRole.TO_SERVER: _Spec(zmq.DEALER, False, 0, unbounded=True, needs_identity=True),
-    SocketRole.PEER: _Spec(zmq.ROUTER, True, 0, max_frame=lambda c: c.max_message_bytes + MAX_HEADER_BYTES),
+    # A ROUTER drops what exceeds its send high-water mark: a host leader's answers to its locals'
+    # pushes (worker.host_link) are bounded by what they pushed, like a server's.
+    SocketRole.PEER: _Spec(zmq.ROUTER, True, 0, unbounded_send=True,
+                           max_frame=lambda c: c.max_message_bytes + MAX_HEADER_BYTES),
     # Lingers so that the last gossip round reaches its peers after shutdown.
     SocketRole.TO_PEER: _Spec(zmq.DEALER, False, 2000, needs_identity=True),
 }
@@ -79,6 +83,8 @@ def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: by
     if spec.unbounded:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+    if spec.unbounded_send:
+        sock.setsockopt(zmq.SNDHWM, 0)
     if spec.handover:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if spec.max_frame is not None:

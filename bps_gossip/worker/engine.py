@@ -59,6 +59,8 @@ class Engine:
         self.scheduler = SchedulerLink(ctx, config, self.uid, self.log)
         self.servers = ServerLinks(ctx, config, self.uid, self.log, self.segments, self.tracer)
         self.peers = PeerEndpoint(ctx, config, self.uid, self.log, self.segments)
+        self.servers.hosts.peer_sock = self.peers.sock  # a host leader answers its locals on it
+        self.peers.on_push = self.servers.hosts.on_local_push
         self.scheduler.listener = self
         self.book: Book | None = None  # replaced whole at every generation: safe to read anywhere
         self.has_state = False  # elastic: this worker holds the job's state (told on rejoin)
@@ -155,7 +157,8 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
         try:
-            book, self.has_state = self.scheduler.register(self.peers.address)
+            book, self.has_state = self.scheduler.register(
+                self.peers.address, self.config.host_reduce if self.segments is not None else "off")
             self.on_book(book)
         except BaseException as exc:  # reported to start()'s caller
             self._init_error = exc
@@ -183,7 +186,7 @@ class Engine:
     def _poller(self) -> zmq.Poller:
         self._sockets_changed = False
         poller = zmq.Poller()
-        for sock in (self._wake_r, self.scheduler.sock, self.peers.sock, *self.servers.sockets):
+        for sock in (self._wake_r, self.scheduler.sock, self.peers.sock, *self.servers.poll_sockets):
             poller.register(sock, zmq.POLLIN)
         return poller
 
@@ -275,7 +278,9 @@ class Engine:
         """A worker or server was lost or left."""
         if role == "server":
             self.servers.server_gone(rank, why)
-        elif self.peers.channel is not None:
+            return
+        self.servers.worker_gone(rank, why)
+        if self.peers.channel is not None:
             self.peers.channel.on_worker_gone(rank, "lost" if lost else "left", why)
 
     def on_changed(self, generation: int, why: str, restore: bool) -> None:
@@ -328,6 +333,7 @@ class Engine:
             self._fail_pending(self._stale)  # what the old generation could still finish has arrived
         self.peers.check_deadlines(now)
         if self.config.elastic and self.config.stall_timeout and self._stale is None:
-            for ranks, why in self.peers.channel.overdue(now, self.config.stall_timeout):
+            for ranks, why in [*self.peers.channel.overdue(now, self.config.stall_timeout),
+                               *self.servers.hosts.overdue(now, self.config.stall_timeout)]:
                 self.scheduler.stalled(ranks, why)
         self.servers.check_deadlines(now)

@@ -35,6 +35,7 @@ class Operation:
     traced: bool = False  # BYTEPS_TRACE_ON and a traced step: stamps[part] is when its stage began
     submitted: float = 0.0
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
+    host_rounds: dict[int, Any] | None = None  # a host leader: its partitions' host rounds (worker.host_reduce)
 
     def servers(self, nservers: int) -> set[int]:
         """The servers this operation's partitions go to ((key + partition) mod servers)."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import zmq
 
 from ..config import Config
 from ..errors import ProtocolError
-from ..protocol import Gossip, GossipAck, handlers
+from ..protocol import Gossip, GossipAck, Push, handlers
 from ..transport import bind_random_port
 from ..transport.receive import MALFORMED, DropLog, drain
 from ..transport.shm import SegmentPool
@@ -45,7 +46,10 @@ class PeerEndpoint:
         self.next_generation = 0  # announced by the scheduler, book not here yet
         self._early: list[tuple[bytes, Gossip, list[zmq.Frame]]] = []
         self._drops = DropLog(log, "peer message")
-        self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack})
+        # A host leader's locals push to this socket too (worker.host_link); the engine routes them.
+        self.on_push: Callable[[bytes, Push], None] = self._no_push
+        self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack,
+                                   Push: lambda route, msg, _frames: self.on_push(route, msg)})
 
     def new_generation(self, book: Book) -> None:
         """Open the channel of ``book``'s generation and hand it what came early."""
@@ -75,6 +79,10 @@ class PeerEndpoint:
             self._early.append((route, msg, frames))
         elif generation == self.generation:
             self.channel.on_message(route, msg, frames)
+
+    @staticmethod
+    def _no_push(route: bytes, _msg: Push) -> None:
+        raise ProtocolError(f"a push from {route[:64]!r} to a worker that reduces nothing by host")
 
     def _on_ack(self, route: bytes, msg: GossipAck, _frames: list[zmq.Frame]) -> None:
         if msg.gen == self.generation:

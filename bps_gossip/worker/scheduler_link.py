@@ -116,14 +116,15 @@ class SchedulerLink:
         self._handlers = handlers({cls: self._heard(handle) for cls, handle in table.items()})
 
     # -- registration ---------------------------------------------------------------
-    def register(self, peer_addr: str) -> tuple[Book, bool]:
+    def register(self, peer_addr: str, host_reduce: str) -> tuple[Book, bool]:
         """Register and wait to be admitted (bps_gossip.rendezvous); return the address book and
         whether this worker started with the job (False: it joined a running elastic job and
-        has no state yet)."""
+        has no state yet). ``host_reduce``: its BPS_GOSSIP_HOST_REDUCE ("off" if it cannot)."""
         cfg = self.config
         me = Register(role="worker", host=cfg.node_host, pid=os.getpid(), start_ticks=start_ticks(),
                       worker_id=cfg.worker_id, local_rank=cfg.local_rank, local_size=cfg.local_size,
-                      peer_addr=peer_addr, num_worker=cfg.num_worker, num_server=cfg.num_server)
+                      peer_addr=peer_addr, num_worker=cfg.num_worker, num_server=cfg.num_server,
+                      host_reduce=host_reduce)
         admitted = join(self.sock, me, cfg, f"worker pid {os.getpid()}", self.log)
         self.book = Book.of(admitted.book)
         self.last_heard = time.monotonic()

@@ -8,7 +8,8 @@ copied into the output as it arrives, and the operation's future completes when 
 one is in. Servers acknowledge a large push on receipt, so credit measures data in
 transit, not rounds waiting for slower workers: two workers that enqueue tensors in
 different orders can never deadlock each other. Servers on this host get payloads through
-shared memory (``stage`` copies them in on the caller's thread).
+shared memory (``stage`` copies them in on the caller's thread). A job that reduces by host
+sends partitions through this worker's host leader or as its host's sum (worker.host_link).
 """
 
 from __future__ import annotations
@@ -25,31 +26,19 @@ import zmq
 
 from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
-from ..errors import (
-    BpsGossipError,
-    CommTimeoutError,
-    PeerLostError,
-    ProtocolError,
-    TensorMismatchError,
-    WorkersChangedError,
-)
+from ..errors import CommTimeoutError, PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..transport import endpoint_host, send_message
 from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
+from .host_link import HostLink, Way
 from .operation import Operation
 from .scheduler_link import Book
 from .trace import Tracer, now_us
 
-ERROR_KINDS: dict[str, type[BpsGossipError]] = {
-    "mismatch": TensorMismatchError,
-    "lost": PeerLostError,
-    "timeout": CommTimeoutError,
-    "protocol": ProtocolError,
-    "changed": WorkersChangedError,
-}
+LEADER = -1  # the target of a local's pushes: its host leader, not a server
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
@@ -74,12 +63,14 @@ class ServerLinks:
         self._order = itertools.count()
         self._req_ids = itertools.count(1)
         self._heap: list[tuple[int, int, Operation, int]] = []
-        self._reqs: dict[int, tuple[Operation, int]] = {}
-        self._unacked: dict[int, int] = {}  # req -> server index
+        self._reqs: dict[int, tuple[Operation, int, int]] = {}  # req -> (operation, partition, target)
+        self._unacked: dict[int, int] = {}  # req -> server index (or LEADER)
         self.pending: set[Operation] = set()
         self._stats: dict[int, tuple[Future, list[Any]]] = {}
         self._lost: dict[int, str] = {}
-        self._heard: dict[int, float] = {}  # server index -> when it last sent anything
+        self._heard: dict[int, float] = {}  # server index (or LEADER) -> when it last sent anything
+        self.hosts = HostLink(ctx, config, uid, log, self._push_hosted, self.fail_op)
+        self._leader_table = self._table(LEADER)
 
     # -- connections ----------------------------------------------------------------
     def connect(self, book: Book) -> bool:
@@ -87,9 +78,10 @@ class ServerLinks:
         self.rank, self.generation = book.rank, book.generation
         self._lost.clear()
         self._heard.clear()
+        host_changed = self.hosts.connect(book)
         if self.addresses == book.servers:
-            return False
-        self.close()
+            return host_changed
+        self._close_servers()
         here = f"tcp://{self.config.node_host}"
         self.shm_servers = frozenset(index for index, addr in enumerate(book.servers)
                                      if self.segments is not None and endpoint_host(addr) == here)
@@ -111,14 +103,25 @@ class ServerLinks:
         return handlers({Ack: heard(self._on_ack), Result: heard(self._on_result), Error: heard(self._on_error),
                          Stats: heard(self._on_stats)})
 
+    @property
+    def poll_sockets(self) -> list[zmq.Socket]:
+        """What the engine polls for this part: the servers and the host leader."""
+        return self.sockets if self.hosts.sock is None else [*self.sockets, self.hosts.sock]
+
     def drain(self, events: dict[Any, int]) -> None:
-        """Read the replies of every server that has some (bounded per server)."""
+        """Read the replies of every server (and host leader) that has some (bounded per server)."""
         for index, sock in enumerate(self.sockets):
             if sock in events:
                 drain(sock, False, self._handlers[index], self._drops, 1024)
+        if self.hosts.sock is not None and self.hosts.sock in events:
+            drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
 
     def close(self) -> None:
-        """Close every server socket."""
+        """Close every server socket and the host leader link."""
+        self.hosts.close()
+        self._close_servers()
+
+    def _close_servers(self) -> None:
         for sock in self.sockets:
             sock.close(linger=0)
         self.sockets, self._handlers, self.addresses = [], [], []
@@ -129,8 +132,12 @@ class ServerLinks:
         """Copy ``op``'s payload into shared memory if any of its partitions goes to a server
         on this host (runs in the caller's thread, so the engine thread stays free)."""
         local, nservers = self.shm_servers, len(self.addresses)
-        if not local or op.codecs is not None or not op.servers(nservers) & local:
+        if not self.hosts.needs_segment(op) and (not local or op.codecs is not None
+                                                 or not op.servers(nservers) & local):
             return  # compressed payloads go as frames
+        self._stage(op)
+
+    def _stage(self, op: Operation) -> None:
         op.segment = self.segments.acquire(op.name, op.send.nbytes)
         if op.send.size:
             op.segment.view(op.send.dtype, op.send.size)[:] = op.send
@@ -167,18 +174,31 @@ class ServerLinks:
         return bool(self._heap) and len(self._unacked) < credit
 
     def _send(self, op: Operation, index: int) -> None:
+        way = self.hosts.way(op)
+        if way in (Way.TO_LEADER, Way.HOST_ROUND) and op.segment is None:
+            self._stage(op)  # the address book changed after the caller staged it
+        if way is Way.HOST_ROUND:
+            self.hosts.rounds.own(op, index)  # pushed once the host's locals are in (_push_hosted)
+        else:
+            self._push(op, index, way)
+
+    def _push_hosted(self, op: Operation, index: int) -> None:
+        self._push(op, index, Way.HOSTED)
+
+    def _push(self, op: Operation, index: int, way: Way) -> None:
         server = (op.key + index) % len(self.sockets)
-        if server in self._lost:
+        target = LEADER if way is Way.TO_LEADER else server
+        if target in self._lost:
             self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {self._lost[server]}"))
             return
         offset, count = op.parts[index]
         req = next(self._req_ids)
-        self._reqs[req] = (op, index)
+        self._reqs[req] = (op, index, target)
         # Small partitions neither use credit nor get an acknowledgement: credit limits
         # bytes in transit, and one message less per push is most of a small push_pull.
         small = count * op.send.dtype.itemsize <= SMALL_PUSH_BYTES
         if not small:
-            self._unacked[req] = server
+            self._unacked[req] = target
         op.reqs.add(req)
         if op.traced:
             sent = now_us()
@@ -189,12 +209,17 @@ class ServerLinks:
                              kind=op.sig["kind"], ack=not small, gen=self.generation)
         if op.codecs is not None:
             header["codec"] = op.codecs[index]
-        if op.segment is not None and server in self.shm_servers:
+        if way is Way.HOSTED:
+            header["hosted"] = True
+        sock = self.hosts.sock if target == LEADER else self.sockets[server]
+        if op.segment is not None and (target == LEADER or server in self.shm_servers):
             header["shm"] = op.segment.name
             header["offset"] = offset * op.send.dtype.itemsize
-            send_message(self.sockets[server], header)
+            send_message(sock, header)
+        elif op.segment is not None and op.host_rounds:  # a leader's sum is in its segment
+            send_message(sock, header, (op.segment.view(op.send.dtype, count, offset * op.send.dtype.itemsize),))
         else:
-            send_message(self.sockets[server], header, (op.send[offset:offset + count],))
+            send_message(sock, header, (op.send[offset:offset + count],))
 
     def stats(self, future: Future) -> None:
         """Ask every server for its counters; ``future`` completes with the list of replies."""
@@ -204,7 +229,7 @@ class ServerLinks:
             send(sock, Stats(req=req))
 
     # -- replies --------------------------------------------------------------------
-    def _take(self, req: int) -> tuple[Operation, int] | None:
+    def _take(self, req: int) -> tuple[Operation, int, int] | None:
         """The operation and partition a reply is for (None if it already failed); a result or an
         error also acknowledges the push."""
         self._unacked.pop(req, None)
@@ -224,8 +249,7 @@ class ServerLinks:
     def _on_error(self, _index: int, msg: Error, _frames: list[zmq.Frame]) -> None:
         entry = self._take(msg.req)
         if entry is not None:
-            kind = ERROR_KINDS.get(msg.kind, BpsGossipError)
-            self.fail_op(entry[0], kind(f"{msg.why} [on rank {self.rank}]"))
+            self.fail_op(entry[0], error_for(msg.kind, f"{msg.why} [on rank {self.rank}]"))
 
     def _store(self, op: Operation, part: int, msg: Result, frames: list[zmq.Frame]) -> None:
         offset, count = op.parts[part]
@@ -235,6 +259,8 @@ class ServerLinks:
             op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
         elif count:
             op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
+        if op.host_rounds and self.hosts.rounds is not None:  # a leader: the locals get the sum too
+            self.hosts.rounds.result(op, part)
         op.remaining -= 1
         op.deadline = time.monotonic() + self.op_timeout()
         if op.remaining == 0:
@@ -270,6 +296,8 @@ class ServerLinks:
         """Fail one operation; its shared-memory segment is never reused (a late write)."""
         op.failed = True
         self.pending.discard(op)
+        if op.host_rounds and self.hosts.rounds is not None:
+            self.hosts.rounds.op_failed(op, error)
         if op.segment is not None:
             self.segments.release(op.name, op.segment, reusable=False)
             op.segment = None
@@ -304,19 +332,24 @@ class ServerLinks:
             if index in op.servers(nservers):
                 self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {why}"))
 
+    def worker_gone(self, rank: int, why: str) -> None:
+        """A worker was lost or left: what waits on it through this host fails."""
+        self.hosts.worker_gone(rank, why, self.pending)
+
     def check_deadlines(self, now: float) -> None:
-        """Fail operations whose servers said nothing for too long."""
+        """Fail operations whose servers (or host leader) said nothing for too long."""
+        self.hosts.expire(now)
         limit = self.op_timeout()
         for op in list(self.pending):
             if now <= op.deadline:
                 continue
-            servers = sorted({(op.key + self._reqs[r][1]) % len(self.sockets) for r in op.reqs if r in self._reqs})
+            servers = sorted({self._reqs[r][2] for r in op.reqs if r in self._reqs})
             # A server that keeps answering is busy (a backlog of partitions), not gone:
             # wait while the servers this op waits on (any, if it is still queued) speak.
             watched = servers or range(len(self.sockets))
             if any(now - self._heard.get(s, -math.inf) < limit for s in watched):
                 continue
-            addrs = [self.addresses[s] for s in servers]
+            addrs = [self.addresses[s] if s != LEADER else f"host leader rank {self.hosts.leader}" for s in servers]
             waiting = f"servers {servers} ({', '.join(addrs)})" if servers else "its turn to be sent"
             self.fail_op(op, CommTimeoutError(
                 f"push_pull {op.name!r} on rank {self.rank}: no answer from {waiting} "

@@ -1,0 +1,269 @@
+"""A host leader's side of one push per host (bps_gossip.hosts): the partitions the other
+workers of this host push to it, summed with its own before one push goes to the servers.
+
+A local worker pushes a partition to its leader's peer socket exactly as it would push to a
+server on this host: a ``Push`` header naming a region of its own shared-memory segment.
+The leader keeps a host round per (generation, tensor, partition, round); once its own
+partition and every local's are in (with the same dtype, shape and operation), it adds the
+locals' regions into its own staged copy and pushes that sum to the servers marked
+``hosted``. The servers' result goes into the leader's output and into every local's region,
+and each local hears ``Result(shm=True)``, so a local's push_pull costs it one copy in and one
+copy out, as with a server on its host.
+
+Everything a local sends is checked as a server checks it: the sender is a worker of this
+host in the current address book (its connection's routing id), the region is in that
+worker's own segment, and the round is bounded in number. A round that fails (a mismatch, a
+server's error, a lost worker, a new generation) tells every local in it why; a round still
+missing pushes after BPS_GOSSIP_TIMEOUT fails naming the missing ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ..aggregation import describe_signature
+from ..config import Config
+from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
+from ..protocol import Ack, Error, Message, Push, Result, send
+from ..transport.shm import AttachedSegments, owner_pid
+from .operation import Operation
+
+MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
+MAX_ATTACHED = 1024  # locals' segments mapped at once
+
+HostRoundId = tuple  # (generation, key, partition, round)
+
+
+@dataclasses.dataclass(eq=False)
+class LocalPush:
+    """One local worker's partition: who it is, the request to answer, its region."""
+
+    rank: int
+    route: bytes
+    req: int
+    region: np.ndarray
+    ack: bool
+
+
+@dataclasses.dataclass(eq=False)
+class HostRound:
+    """One partition of one tensor of one round on this host."""
+
+    rid: HostRoundId
+    name: str
+    sig: tuple[dict[str, Any], str, int]  # (dtype, shape and operation; wire dtype; count) of the first push
+    first: int  # the rank that set ``sig``
+    created: float
+    locals: dict[int, LocalPush] = dataclasses.field(default_factory=dict)
+    own: tuple[Operation, int] | None = None  # the leader's operation and partition
+    own_done: bool = False  # the leader's partition came and was sent, or failed
+    error: tuple[str, str] | None = None  # (kind, why) once failed
+    sent: bool = False  # the host's sum went to the servers
+    stall_reported: bool = False
+
+
+class HostRounds:
+    """The open host rounds of a leader (see the module docstring). ``push(op, part)`` sends
+    the host's sum of ``op``'s partition to the servers; ``fail(op, error)`` fails the leader's
+    own operation; ``sock`` is the leader's peer ROUTER, the locals' replies go out on it."""
+
+    def __init__(self, config: Config, rank: int, generation: int, members: tuple[int, ...],
+                 workers: list[dict[str, Any]], push: Callable[[Operation, int], None],
+                 fail: Callable[[Operation, BpsGossipError], None]) -> None:
+        self.config = config
+        self.rank = rank
+        self.generation = generation
+        self.members = members
+        self.locals = frozenset(members) - {rank}
+        self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(workers)}
+        self.pids = [w["pid"] for w in workers]
+        self.push = push
+        self.fail_own = fail
+        self.sock: Any = None
+        self.rounds: dict[HostRoundId, HostRound] = {}
+        self.attached = AttachedSegments(MAX_ATTACHED)
+
+    # -- what arrives --------------------------------------------------------------
+    def on_local_push(self, route: bytes, push: Push) -> None:
+        """A local worker's partition (decoded, so every field has its type and range)."""
+        rank = self.ranks.get(route)
+        if rank is None or rank not in self.locals:
+            # No reply: whoever this is, it is not a worker of this host we answer for.
+            raise ProtocolError(f"a push from {route[:64]!r}, which is no other worker of host leader "
+                                f"{self.rank} in generation {self.generation}")
+        if push.gen < self.generation:
+            self._reply(route, Error(req=push.req, kind="changed",
+                                     why=f"tensor {push.name!r}: generation {push.gen} of the job has ended"))
+            return
+        try:
+            if push.shm is None or push.codec is not None or push.hosted:
+                raise ProtocolError("a push to the host leader names a shared-memory region and nothing else")
+            if owner_pid(push.shm) != self.pids[rank]:
+                raise ProtocolError(f"rank {rank} named segment {push.shm!r}, which is not its own")
+            region = self.attached.view(push.shm, push.wire, push.count, push.offset)
+        except (OSError, ValueError, ProtocolError) as exc:
+            self._reply(route, Error(req=push.req, kind="protocol", why=f"malformed push to the host leader: {exc}"))
+            return
+        rid = (push.gen, push.key, push.part, push.seq)
+        rnd = self._round(rid, push.name, (push.signature, push.wire, push.count), rank)
+        if rnd is None:
+            self._reply(route, Error(req=push.req, kind="protocol",
+                                     why=f"host leader {self.rank} has {len(self.rounds)} rounds open"))
+            return
+        if rank in rnd.locals:
+            self._reply(route, Error(req=push.req, kind="protocol",
+                                     why=f"tensor {push.name!r}: rank {rank} pushed partition {push.part} "
+                                         f"of round {push.seq} twice"))
+            return
+        rnd.locals[rank] = LocalPush(rank, route, push.req, region, push.ack)
+        if push.ack and rnd.error is None:
+            self._reply(route, Ack(req=push.req))
+        self._agree(rnd, rank, (push.signature, push.wire, push.count))
+        self._advance(rnd)
+
+    def own(self, op: Operation, part: int) -> None:
+        """The leader's own partition is ready (its staged copy holds its data)."""
+        offset, count = op.parts[part]
+        rid = (self.generation, op.key, part, op.seq)
+        rnd = self._round(rid, op.name, (op.sig, op.send.dtype.str, count), self.rank)
+        if rnd is None:
+            self.fail_own(op, ProtocolError(f"push_pull {op.name!r}: host leader {self.rank} has "
+                                            f"{len(self.rounds)} rounds open"))
+            return
+        if rnd.own is not None or rnd.own_done:
+            self.fail_own(op, ProtocolError(f"push_pull {op.name!r}: round {op.seq} twice on rank {self.rank}"))
+            return
+        rnd.own = (op, part)
+        if op.host_rounds is None:
+            op.host_rounds = {}
+        op.host_rounds[part] = rnd
+        self._agree(rnd, self.rank, (op.sig, op.send.dtype.str, count))
+        self._advance(rnd)
+
+    def _round(self, rid: HostRoundId, name: str, sig: tuple[dict[str, Any], str, int],
+               rank: int) -> HostRound | None:
+        rnd = self.rounds.get(rid)
+        if rnd is None:
+            if len(self.rounds) >= MAX_HOST_ROUNDS:
+                return None
+            rnd = self.rounds[rid] = HostRound(rid, name, sig, rank, time.monotonic())
+        return rnd
+
+    def _agree(self, rnd: HostRound, rank: int, sig: tuple[dict[str, Any], str, int]) -> None:
+        """Fail the round if ``rank``'s push disagrees with the first one."""
+        if rnd.error is not None or (sig[0] == rnd.sig[0] and np.dtype(sig[1]) == np.dtype(rnd.sig[1])
+                                     and sig[2] == rnd.sig[2]):
+            return
+        self._fail(rnd, "mismatch", f"tensor {rnd.name!r}: rank {rnd.first} pushed "
+                                    f"{describe_signature(rnd.sig[0])} but rank {rank} pushed "
+                                    f"{describe_signature(sig[0])}; every rank must push the same shape, "
+                                    "dtype and operation")
+
+    def _advance(self, rnd: HostRound) -> None:
+        """Sum and push once everyone of the host is in; answer what a failed round owes."""
+        if rnd.error is not None:
+            self._fail(rnd, *rnd.error)
+            return
+        if rnd.own is None or len(rnd.locals) < len(self.locals) or rnd.sent:
+            return
+        op, part = rnd.own
+        offset, count = op.parts[part]
+        if count:
+            mine = op.segment.view(op.send.dtype, count, offset * op.send.dtype.itemsize)
+            for local in rnd.locals.values():
+                np.add(mine, local.region, out=mine)
+        rnd.sent = rnd.own_done = True
+        self.push(op, part)
+
+    # -- what the servers answer -----------------------------------------------------
+    def result(self, op: Operation, part: int) -> None:
+        """The servers' sum of a hosted partition is in ``op.out``: hand it to the locals."""
+        rnd = op.host_rounds.pop(part, None) if op.host_rounds else None
+        if rnd is None or rnd.error is not None:
+            return
+        self.rounds.pop(rnd.rid, None)
+        offset, count = op.parts[part]
+        total = op.out[offset:offset + count]
+        for local in rnd.locals.values():
+            if count:
+                local.region[:] = total
+            self._reply(local.route, Result(req=local.req, shm=True))
+            local.route = b""
+
+    def op_failed(self, op: Operation, error: BaseException) -> None:
+        """The leader's operation failed: so do its host rounds, for everyone in them."""
+        for rnd in list((op.host_rounds or {}).values()):
+            rnd.own, rnd.own_done = None, True
+            self._fail(rnd, kind_of(error), str(error))
+        if op.host_rounds:
+            op.host_rounds.clear()
+
+    # -- failures --------------------------------------------------------------------
+    def _fail(self, rnd: HostRound, kind: str, why: str) -> None:
+        """Fail ``rnd``: every local in it hears why (once), and the leader's operation fails.
+        The round stays (answering the late) until everyone of the host was told."""
+        rnd.error = (kind, why)
+        for local in rnd.locals.values():
+            if local.route:
+                self._reply(local.route, Error(req=local.req, kind=kind, why=why))
+                local.route = b""  # told
+        if rnd.own is not None:
+            op, _ = rnd.own
+            rnd.own, rnd.own_done = None, True
+            if not op.failed:
+                self.fail_own(op, error_for(kind, why))
+        if len(rnd.locals) >= len(self.locals) and rnd.own_done:
+            self.rounds.pop(rnd.rid, None)
+
+    def worker_gone(self, rank: int, why: str) -> None:
+        """A worker of this host was lost or left: the rounds still waiting for it cannot complete."""
+        if rank not in self.locals:
+            return
+        for rnd in list(self.rounds.values()):
+            if rank not in rnd.locals and not rnd.sent:
+                self._fail(rnd, "lost", f"tensor {rnd.name!r}: {why}")
+                self.rounds.pop(rnd.rid, None)
+
+    def expire(self, now: float) -> None:
+        """Fail rounds still missing pushes after BPS_GOSSIP_TIMEOUT."""
+        timeout = self.config.timeout
+        for rnd in list(self.rounds.values()):
+            if rnd.sent or now - rnd.created <= timeout:
+                continue
+            if rnd.error is not None:  # failed, and whoever never came will not be told
+                self.rounds.pop(rnd.rid, None)
+                continue
+            missing = sorted(r for r in self.members if r not in rnd.locals and (r != self.rank or rnd.own is None))
+            self._fail(rnd, "timeout", f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} of host "
+                                       f"leader {self.rank} did not push within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
+            self.rounds.pop(rnd.rid, None)
+
+    def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
+        """Locals this leader has waited on for ``after`` seconds, each round once (elastic: reported
+        to the scheduler; the servers see only that this leader is missing)."""
+        found = []
+        for rnd in self.rounds.values():
+            if rnd.sent or rnd.stall_reported or rnd.own is None or now - rnd.created <= after:
+                continue
+            rnd.stall_reported = True
+            missing = sorted(self.locals - rnd.locals.keys())
+            if missing:
+                found.append((missing, f"pushed nothing of {rnd.name!r} to host leader {self.rank} for "
+                                       f"{now - rnd.created:.1f} s"))
+        return found
+
+    def close(self, kind: str, why: str) -> None:
+        """End this generation's rounds (everyone in them told why)."""
+        for rnd in list(self.rounds.values()):
+            rnd.own, rnd.own_done = None, True  # the engine fails the leader's operations itself
+            self._fail(rnd, kind, why)
+        self.rounds.clear()
+        self.attached.close()
+
+    def _reply(self, route: bytes, msg: Message) -> None:
+        send(self.sock, msg, (), route)
+
