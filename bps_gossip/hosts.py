@@ -42,8 +42,8 @@ def host_groups(addrs: Sequence[str], modes: Sequence[str], servers: Sequence[st
 
 
 def group_of(groups: Sequence[tuple[int, ...]], rank: int) -> tuple[int, ...]:
-    """The group that holds ``rank``."""
+    """The group that holds ``rank`` (alone if none does)."""
     for group in groups:
         if rank in group:
             return group
-    raise ValueError(f"rank {rank} is in no host group")
+    return (rank,)

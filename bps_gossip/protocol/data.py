@@ -154,18 +154,21 @@ def _parts(msg: Mapping[str, Any], key: str) -> dict[str, list[int]] | None:
 @message(Op.STATS)
 class Stats(Message):
     """A worker asks a server what it has seen (tests and tools), and the server's answer
-    (the same op, with every field set): its rank, the partitions it saw per key, rounds."""
+    (the same op, with every field set): its rank, the partitions it saw per key, rounds, and
+    the pushes it took by rank with the payload bytes that came over sockets."""
 
     req: int = integer()
     rank: int | None = optional_integer(0, MAX_RANK)
     parts: dict[str, list[int]] | None = custom(_parts, None)
     rounds_done: int | None = optional_integer()
     open_rounds: int | None = optional_integer()
+    pushes: list[int] | None = integers(MAX_RANK + 1, 0, fields.MAX_INT, optional=True)  # by rank
+    socket_bytes: int | None = optional_integer()
 
     def reply(self) -> dict[str, Any]:
         """The answer's fields but op and req (what a worker's stats() returns per server)."""
         return {"rank": self.rank, "parts": self.parts, "rounds_done": self.rounds_done,
-                "open_rounds": self.open_rounds}
+                "open_rounds": self.open_rounds, "pushes": self.pushes, "socket_bytes": self.socket_bytes}
 
 
 @message(Op.GOSSIP)

@@ -98,7 +98,8 @@ class Server:
             raise ProtocolError("stats asked by a connection that is no worker of this job")
         send(self.sock, Stats(req=msg.req, rank=self.rank,
                               parts={str(k): sorted(v) for k, v in rounds.parts_seen.items()},
-                              rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds)), route=route)
+                              rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds),
+                              pushes=list(rounds.pushes_by_rank), socket_bytes=rounds.socket_bytes), route=route)
 
     # -- the scheduler's notices --------------------------------------------------
     def _on_alive(self, _route: Any, _msg: Message, _frames: list) -> None:

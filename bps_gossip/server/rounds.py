@@ -53,6 +53,8 @@ class Rounds:
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
         self.parts_seen: dict[int, set[int]] = {}
         self.rounds_done = 0
+        self.pushes_by_rank: list[int] = []  # pushes taken per rank of this generation (stats)
+        self.socket_bytes = 0  # payload bytes that came as frames, not through shared memory (stats)
         self.segments = AttachedSegments(MAX_ATTACHED)
         self.size = 0
         self.ranks: dict[bytes, int] = {}  # a worker's routing id -> its rank, from the address book
@@ -69,6 +71,7 @@ class Rounds:
         self.size = len(book.workers)
         self.ranks = {w.routing_id: index for index, w in enumerate(book.workers)}
         self.pids = [w.pid for w in book.workers]
+        self.pushes_by_rank = [0] * self.size
         groups = host_groups([w.addr for w in book.workers], [w.host_reduce for w in book.workers], book.servers)
         self.leaders = frozenset(group[0] for group in groups if len(group) > 1)
         if self.leaders:  # ranks that are alone on their host push for themselves, as leaders do
@@ -111,6 +114,9 @@ class Rounds:
         if checked is None:
             return
         who, payload, codec = checked
+        self.pushes_by_rank[who.rank] += 1
+        if who.region is None and payload is not None:
+            self.socket_bytes += len(payload)
         rnd = self._store(who, push, codec)
         if rnd is None:
             return

@@ -47,9 +47,10 @@ class HostLink:
     """This worker's host group and the means to reduce in it (see the module docstring)."""
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
-                 push: Callable[[Operation, int], None], fail: Callable[[Operation, BpsGossipError], None]) -> None:
+                 push: Callable[[Operation, int], None], fail: Callable[[Operation, BpsGossipError], None],
+                 poison: Callable[..., None]) -> None:
         self.ctx, self.config, self.uid, self.log = ctx, config, uid, log
-        self.push, self.fail = push, fail
+        self.push, self.fail, self.poison = push, fail, poison
         self.hosting = False  # the job reduces by host
         self.leader = -1  # this worker's host leader
         self.rank = -1
@@ -74,7 +75,7 @@ class HostLink:
         self.leader, self.rank, self.generation = group[0], book.rank, book.generation
         if len(group) > 1 and self.leader == book.rank:
             self.rounds = HostRounds(self.config, book.rank, book.generation, group, book.workers,
-                                     self.push, self.fail)
+                                     self.push, self.fail, self.poison)
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:
             self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)

@@ -73,7 +73,8 @@ class HostRounds:
 
     def __init__(self, config: Config, rank: int, generation: int, members: tuple[int, ...],
                  workers: list[dict[str, Any]], push: Callable[[Operation, int], None],
-                 fail: Callable[[Operation, BpsGossipError], None]) -> None:
+                 fail: Callable[[Operation, BpsGossipError], None],
+                 poison: Callable[[HostRoundId, str, dict[str, Any], str], None]) -> None:
         self.config = config
         self.rank = rank
         self.generation = generation
@@ -83,6 +84,7 @@ class HostRounds:
         self.pids = [w["pid"] for w in workers]
         self.push = push
         self.fail_own = fail
+        self.poison = poison
         self.sock: Any = None
         self.rounds: dict[HostRoundId, HostRound] = {}
         self.attached = AttachedSegments(MAX_ATTACHED)
@@ -158,10 +160,12 @@ class HostRounds:
         if rnd.error is not None or (sig[0] == rnd.sig[0] and np.dtype(sig[1]) == np.dtype(rnd.sig[1])
                                      and sig[2] == rnd.sig[2]):
             return
-        self._fail(rnd, "mismatch", f"tensor {rnd.name!r}: rank {rnd.first} pushed "
-                                    f"{describe_signature(rnd.sig[0])} but rank {rank} pushed "
-                                    f"{describe_signature(sig[0])}; every rank must push the same shape, "
-                                    "dtype and operation")
+        why = (f"tensor {rnd.name!r}: rank {rnd.first} pushed {describe_signature(rnd.sig[0])} but rank {rank} "
+               f"pushed {describe_signature(sig[0])}; every rank must push the same shape, dtype and operation")
+        if not rnd.sent:  # the other hosts' ranks must hear it too, not wait for this host's sum
+            rnd.sent = True
+            self.poison(rnd.rid, rnd.name, sig[0], f"ranks {rnd.first} and {rank} disagree")
+        self._fail(rnd, "mismatch", why)
 
     def _advance(self, rnd: HostRound) -> None:
         """Sum and push once everyone of the host is in; answer what a failed round owes."""

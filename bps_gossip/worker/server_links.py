@@ -69,7 +69,7 @@ class ServerLinks:
         self._stats: dict[int, tuple[Future, list[Any]]] = {}
         self._lost: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index (or LEADER) -> when it last sent anything
-        self.hosts = HostLink(ctx, config, uid, log, self._push_hosted, self.fail_op)
+        self.hosts = HostLink(ctx, config, uid, log, self._push_hosted, self.fail_op, self._poison)
         self._leader_table = self._table(LEADER)
 
     # -- connections ----------------------------------------------------------------
@@ -184,6 +184,19 @@ class ServerLinks:
 
     def _push_hosted(self, op: Operation, index: int) -> None:
         self._push(op, index, Way.HOSTED)
+
+    def _poison(self, rid: tuple[int, int, int, int], name: str, sig: dict[str, Any], why: str) -> None:
+        """A host round failed on a mismatch: push, for this host, an empty partition that no
+        rank's can match, so the server fails the round for every host at once."""
+        _, key, part, seq = rid
+        server = (key + part) % len(self.sockets)
+        if server in self._lost:
+            return
+        header = Push.header(req=next(self._req_ids), key=key, name=name, part=part, seq=seq, count=0,
+                             wire="|u1", dtype=sig["dtype"], shape=sig["shape"],
+                             kind=f"{sig['kind']} (on the host of rank {self.rank}, {why})"[:1024],
+                             ack=False, gen=self.generation, hosted=True)
+        send_message(self.sockets[server], header, (b"",))
 
     def _push(self, op: Operation, index: int, way: Way) -> None:
         server = (op.key + index) % len(self.sockets)

@@ -1,0 +1,138 @@
+"""One push per host (bps_gossip.hosts): workers on one host reduce through shared memory and
+their leader pushes for them. Two emulated hosts on loopback (workers advertising 127.0.0.1
+and 127.0.0.2; both are this machine's loopback), so the default mode (auto) turns it on."""
+
+from __future__ import annotations
+
+import pytest
+from cluster import assert_all_ok
+from test_push_pull import COLLECTIVES, SMALL_PARTS
+
+TWO_HOSTS = {0: {"DMLC_NODE_HOST": "127.0.0.1"}, 1: {"DMLC_NODE_HOST": "127.0.0.1"},
+             2: {"DMLC_NODE_HOST": "127.0.0.2"}, 3: {"DMLC_NODE_HOST": "127.0.0.2"}}
+
+# What each rank learned of its place, and what the servers took from whom.
+PLACES = '''
+import numpy as np, bps_gossip as bps
+from bps_gossip import api
+bps.init()
+rank, size = bps.rank(), bps.size()
+hosts = api._rt("test").engine.servers.hosts
+x = np.arange(300000, dtype=np.float32) * (rank + 1)
+for step in range(5):
+    out = bps.push_pull(x, "grad", average=False)
+    assert np.array_equal(out, np.arange(300000, dtype=np.float32) * sum(range(1, size + 1))), out[:4]
+small = bps.push_pull(np.array([rank], dtype=np.int64), "small", average=False)
+bps.barrier()
+stats = bps.server_stats() if rank == 0 else None
+report({"rank": rank, "hosting": hosts.hosting, "leader": hosts.leader, "small": int(small[0]),
+        "digest": float(out.sum()), "stats": stats})
+bps.shutdown()
+'''
+
+
+def run(cluster, env, per_rank_env, workers=4, servers=1):
+    job = cluster(workers, servers, env)
+    done = job.run_workers(PLACES, timeout=80, per_rank_env=per_rank_env)
+    assert_all_ok(done, job)
+    job.wait_servers_exit()
+    return sorted((f.result for f in done), key=lambda r: r["rank"])
+
+
+@pytest.mark.timeout(100)
+def test_two_hosts_push_once_each(cluster):
+    results = run(cluster, {}, TWO_HOSTS)
+    assert [r["leader"] for r in results] == [0, 0, 2, 2]
+    assert all(r["hosting"] for r in results)
+    assert len({r["digest"] for r in results}) == 1 and all(r["small"] == 6 for r in results)
+    (stats,) = results[0]["stats"]
+    # Only the leaders pushed: 5 rounds of "grad" (1.2 MB, one partition each) and one "small".
+    assert stats["pushes"] == [6, 0, 6, 0], stats
+    assert stats["socket_bytes"] < 2 * 6 * 1.3e6, stats  # rank 2's pushes came over TCP, rank 0's not
+
+
+@pytest.mark.timeout(100)
+def test_off_pushes_from_every_worker(cluster):
+    results = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "off"}, TWO_HOSTS)
+    assert [r["leader"] for r in results] == [0, 1, 2, 3] and not any(r["hosting"] for r in results)
+    assert results[0]["stats"][0]["pushes"] == [6, 6, 6, 6]
+    assert len({r["digest"] for r in results}) == 1
+
+
+@pytest.mark.timeout(100)
+def test_one_machine_is_left_to_the_server_unless_forced(cluster):
+    auto = run(cluster, {}, {}, workers=3)
+    assert not any(r["hosting"] for r in auto) and auto[0]["stats"][0]["pushes"] == [6, 6, 6]
+    forced = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "on"}, {}, workers=3)
+    assert [r["leader"] for r in forced] == [0, 0, 0] and forced[0]["stats"][0]["pushes"] == [6, 0, 0]
+
+
+@pytest.mark.timeout(100)
+def test_a_worker_without_shared_memory_turns_it_off_for_the_job(cluster):
+    results = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "on"}, {**TWO_HOSTS, 3: {**TWO_HOSTS[3], "BPS_GOSSIP_SHM": "0"}})
+    assert not any(r["hosting"] for r in results)
+    assert results[0]["stats"][0]["pushes"] == [6, 6, 6, 6]
+
+
+@pytest.mark.timeout(160)
+@pytest.mark.parametrize("servers,env", [(1, {}), (2, {"BYTEPS_SCHEDULING_CREDIT": "1"})], ids=["1server", "2servers-credit1"])
+def test_collectives_bit_exact_by_host(cluster, servers, env):
+    """Every dtype, shape, output form, broadcast and asynchronous order of test_push_pull, with
+    two hosts of two workers reducing by host."""
+    job = cluster(4, servers, {**SMALL_PARTS, **env})
+    done = job.run_workers(COLLECTIVES, timeout=140, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    for f in done:
+        assert f.result["checks"] > 900 and f.result["failures"] == [], (f.rank_hint, f.result["failures"])
+    job.wait_servers_exit()
+
+
+MISMATCH = '''
+import numpy as np, bps_gossip as bps
+from bps_gossip.errors import TensorMismatchError
+bps.init()
+rank = bps.rank()
+shape = (5,) if rank != 1 else (6,)  # rank 1 is a local of leader 0
+try:
+    bps.push_pull(np.ones(shape, np.float32), "bad", average=False)
+    report({"rank": rank, "error": None})
+except TensorMismatchError as exc:
+    report({"rank": rank, "error": str(exc)})
+# The job goes on: the next push_pull works everywhere.
+out = bps.push_pull(np.ones(3, np.float32), "good", average=False)
+assert np.all(out == bps.size()), out
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(100)
+def test_a_mismatch_inside_a_host_fails_every_rank(cluster):
+    job = cluster(4, 1, {})
+    done = job.run_workers(MISMATCH, timeout=80, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    for f in done:
+        error = f.result["error"]
+        assert error is not None and "'bad'" in error and "(5,)" in error and "(6,)" in error, (f.rank_hint, error)
+
+
+COMPRESSED_AND_PLAIN = '''
+import numpy as np, bps_gossip as bps
+from bps_gossip.compression import CompressionSpec
+bps.init()
+rank, size = bps.rank(), bps.size()
+plain = bps.push_pull(np.full(200000, rank + 1, np.float32), "plain", average=False)
+assert np.all(plain == size * (size + 1) / 2), plain[:4]
+packed = bps.push_pull(np.full(200000, rank + 1.0, np.float32), "packed", average=True,
+                       compression=CompressionSpec("onebit", scaling=True))
+report({"rank": rank, "packed": float(packed.mean())})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(100)
+def test_compressed_tensors_are_pushed_by_every_worker(cluster):
+    job = cluster(4, 1, {})
+    done = job.run_workers(COMPRESSED_AND_PLAIN, timeout=80, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    values = {f.result["packed"] for f in done}
+    assert len(values) == 1 and abs(values.pop() - 2.5) < 1e-5
