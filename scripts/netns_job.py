@@ -43,8 +43,9 @@ def parse_slow(items: Sequence[str]) -> dict[str, float]:
 
 
 def role_env(net: netns.Network, host: str, workers: int, servers: int, port: int = SCHEDULER_PORT,
-             base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of the process on ``host`` (its role and worker id follow from the name)."""
+             base: Mapping[str, str] | None = None, local_size: int = 1) -> dict[str, str]:
+    """The environment of the process on ``host`` (its role and worker id follow from the name);
+    ``local_size`` workers run on each worker host (BYTEPS_LOCAL_SIZE)."""
     role = host.rstrip("0123456789")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if k not in ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BPS_GOSSIP_PORT")}
@@ -53,7 +54,7 @@ def role_env(net: netns.Network, host: str, workers: int, servers: int, port: in
         "DMLC_PS_ROOT_URI": net.address("scheduler"), "DMLC_PS_ROOT_PORT": str(port),
         "DMLC_NODE_HOST": net.address(host),  # what this process advertises: its own link, not loopback
         "DMLC_INTERFACE": netns.HOST_IFACE,  # ps-lite's (MXNet dist_sync) way of picking the address
-        "BYTEPS_LOCAL_SIZE": "1",
+        "BYTEPS_LOCAL_SIZE": str(local_size if role == "worker" else 1),
     })
     if role == "worker":
         env["DMLC_WORKER_ID"] = host[len("worker"):]
@@ -62,14 +63,15 @@ def role_env(net: netns.Network, host: str, workers: int, servers: int, port: in
 
 
 def run_job(net: netns.Network, workers: int, servers: int, command: Sequence[str],
-            base_env: Mapping[str, str] | None = None, port: int = SCHEDULER_PORT) -> int:
-    """Start the scheduler, servers and workers (``command``) in their namespaces with bpslaunch
-    in BytePS mode; return the first non-zero exit code (fail-fast), else 0."""
+            base_env: Mapping[str, str] | None = None, port: int = SCHEDULER_PORT, local_size: int = 1) -> int:
+    """Start the scheduler, servers and workers (``command``, ``local_size`` of them on each
+    worker host) in their namespaces with bpslaunch in BytePS mode; return the first non-zero
+    exit code (fail-fast), else 0."""
     if not command:
         raise SystemExit("no worker command given (e.g. -- python examples/train_digits.py)")
     with Supervisor() as sup:
         for host in host_names(workers, servers):
-            env = role_env(net, host, workers, servers, port, base_env)
+            env = role_env(net, host, workers, servers, port, base_env, local_size)
             if env["DMLC_ROLE"] == "worker":
                 rank = env["DMLC_WORKER_ID"]
                 sup.start(net.exec_argv(host, [*LAUNCHER, *command]), env, "worker", f"worker {rank}", f"[{rank}] ")

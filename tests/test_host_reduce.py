@@ -136,3 +136,37 @@ def test_compressed_tensors_are_pushed_by_every_worker(cluster):
     assert_all_ok(done, job)
     values = {f.result["packed"] for f in done}
     assert len(values) == 1 and abs(values.pop() - 2.5) < 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_leader_is_replaced_and_training_stays_exact(cluster):
+    """Elastic: host B's leader (rank 1 of A={0}, B={1,2,3}) is SIGKILLed mid-training; the
+    survivors roll back, B's lowest surviving rank leads it, and the parameters stay exact."""
+    import sys
+
+    from test_elastic import ELASTIC_ENV, EPOCHS, JOB, SAMPLES, check_job
+
+    job = cluster(4, env=ELASTIC_ENV)
+    procs = []
+    for index in range(4):
+        env = {**job.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index), "EPOCHS": str(EPOCHS),
+               "SAMPLES": str(SAMPLES), "BATCH": "4", "KILL_RANK": "1", "KILL_STEP": "5",
+               "DMLC_NODE_HOST": "127.0.0.1" if index == 0 else "127.0.0.2"}
+        proc = job.spawn([sys.executable, str(JOB)], env, f"elastic{index}")
+        proc.rank_hint = index
+        procs.append(proc)
+    done = job.wait(procs, timeout=120)
+    killed = {f.rank_hint for f in done if f.returncode == -9}
+    assert killed == {1}, job.dump()
+    check_job(done, job, killed)
+    places = {}
+    for f in done:
+        if f.rank_hint != 1:
+            assert any(r[0] == "restored" for r in f.results), job.dump()
+            final, host = (next(r for r in f.results if r[0] == kind) for kind in ("final", "host"))
+            places[f.rank_hint] = (final[4], host[1], host[2])  # (new rank, hosting, leader)
+    assert all(hosting for _, hosting, _ in places.values()), places
+    new_rank = {hint: rank for hint, (rank, _, _) in places.items()}
+    assert places[2][2] == places[3][2] == min(new_rank[2], new_rank[3]), places  # B's new leader
+    assert places[0][2] == new_rank[0], places
+    job.wait_servers_exit()

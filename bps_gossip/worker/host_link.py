@@ -59,6 +59,7 @@ class HostLink:
         self.rounds: HostRounds | None = None  # a leader of other workers
         self.peer_sock: Any = None  # this worker's peer ROUTER (set by the engine): replies to locals
         self._early: list[tuple[float, bytes, Push]] = []
+        self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
 
     def connect(self, book: Book) -> bool:
         """Take a new address book; True if the sockets to poll changed."""
@@ -73,6 +74,7 @@ class HostLink:
         group = group_of(groups, book.rank)
         self.hosting = any(len(g) > 1 for g in groups)
         self.leader, self.rank, self.generation = group[0], book.rank, book.generation
+        self.gone = {}
         if len(group) > 1 and self.leader == book.rank:
             self.rounds = HostRounds(self.config, book.rank, book.generation, group, book.workers,
                                      self.push, self.fail, self.poison)
@@ -116,15 +118,26 @@ class HostLink:
 
     # -- failures and deadlines ------------------------------------------------------
     def worker_gone(self, rank: int, why: str, pending: set[Operation]) -> None:
-        """A worker was lost or left: a local fails what waits on its leader, a leader the
-        rounds that wait on that worker."""
+        """A worker was lost or left: a local fails what waits on its leader (any worker, in a
+        job that is not elastic: no round can complete), a leader the rounds that wait on it."""
+        self.gone[rank] = why
         if self.rounds is not None:
             self.rounds.worker_gone(rank, why)
-        elif self.sock is not None and rank == self.leader:
+        elif self.sock is not None and (rank == self.leader or not self.config.elastic):
             for op in list(pending):
                 if self.way(op) is Way.TO_LEADER:
-                    self.fail(op, PeerLostError(f"push_pull {op.name!r}: this host's leader (rank {rank}) "
-                                                f"is gone: {why} [on rank {self.rank}]"))
+                    self.fail(op, self.refusal(op))
+
+    def refusal(self, op: Operation) -> PeerLostError | None:
+        """Why a local cannot push ``op`` to its leader now, or None."""
+        if self.sock is None or not self.gone or (self.config.elastic and self.leader not in self.gone):
+            return None
+        why = "; ".join(self.gone.values())
+        if self.leader in self.gone:
+            return PeerLostError(f"push_pull {op.name!r}: this host's leader (rank {self.leader}) is gone: {why} "
+                                 f"[on rank {self.rank}]")
+        return PeerLostError(f"push_pull {op.name!r}: {why}; this job is not elastic, so it cannot go on "
+                             f"[on rank {self.rank}]")
 
     def expire(self, now: float) -> None:
         """Fail host rounds and held pushes older than BPS_GOSSIP_TIMEOUT."""

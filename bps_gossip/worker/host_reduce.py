@@ -88,6 +88,7 @@ class HostRounds:
         self.sock: Any = None
         self.rounds: dict[HostRoundId, HostRound] = {}
         self.attached = AttachedSegments(MAX_ATTACHED)
+        self.gone: dict[int, str] = {}  # locals lost or gone: no round can complete without them
 
     # -- what arrives --------------------------------------------------------------
     def on_local_push(self, route: bytes, push: Push) -> None:
@@ -169,6 +170,8 @@ class HostRounds:
 
     def _advance(self, rnd: HostRound) -> None:
         """Sum and push once everyone of the host is in; answer what a failed round owes."""
+        if rnd.error is None and self.gone and not rnd.sent:
+            rnd.error = ("lost", f"tensor {rnd.name!r}: " + "; ".join(self.gone.values()))
         if rnd.error is not None:
             self._fail(rnd, *rnd.error)
             return
@@ -224,11 +227,15 @@ class HostRounds:
             self.rounds.pop(rnd.rid, None)
 
     def worker_gone(self, rank: int, why: str) -> None:
-        """A worker of this host was lost or left: the rounds still waiting for it cannot complete."""
-        if rank not in self.locals:
-            return
+        """A worker was lost or left: the rounds still waiting for it cannot complete (in a job
+        that is not elastic, no round can)."""
+        if rank not in self.locals and self.config.elastic:
+            return  # another host's: the new generation fails what needs it
+        self.gone[rank] = why
+        why = "; ".join(self.gone.values())
         for rnd in list(self.rounds.values()):
-            if rank not in rnd.locals and not rnd.sent:
+            # Not elastic: the servers refuse every push from now on, so nothing can complete.
+            if not rnd.sent and (rank not in rnd.locals or not self.config.elastic):
                 self._fail(rnd, "lost", f"tensor {rnd.name!r}: {why}")
                 self.rounds.pop(rnd.rid, None)
 

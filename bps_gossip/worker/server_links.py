@@ -177,7 +177,10 @@ class ServerLinks:
         way = self.hosts.way(op)
         if way in (Way.TO_LEADER, Way.HOST_ROUND) and op.segment is None:
             self._stage(op)  # the address book changed after the caller staged it
-        if way is Way.HOST_ROUND:
+        refusal = self.hosts.refusal(op) if way is Way.TO_LEADER else None
+        if refusal is not None:
+            self.fail_op(op, refusal)
+        elif way is Way.HOST_ROUND:
             self.hosts.rounds.own(op, index)  # pushed once the host's locals are in (_push_hosted)
         else:
             self._push(op, index, way)
