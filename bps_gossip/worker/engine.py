@@ -279,7 +279,7 @@ class Engine:
         if role == "server":
             self.servers.server_gone(rank, why)
             return
-        self.servers.worker_gone(rank, why)
+        self.servers.worker_gone(rank, lost, why)
         if self.peers.channel is not None:
             self.peers.channel.on_worker_gone(rank, "lost" if lost else "left", why)
 

@@ -27,11 +27,12 @@ from ..errors import BpsGossipError, PeerLostError, ProtocolError
 from ..hosts import group_of, host_groups
 from ..protocol import Error, Push, send
 from ..transport.sockets import SocketRole, open_socket
-from .host_reduce import HostRounds
+from .host_reduce import HOST_ROUTE_SUFFIX, HostRounds
 from .operation import Operation
 from .scheduler_link import Book
 
 MAX_EARLY = 4096  # locals' pushes held until this leader has the address book of their generation
+LEFT_GRACE = 2.0  # seconds the results a leader sent before it left gracefully may take to arrive
 
 
 class Way(enum.Enum):
@@ -60,6 +61,8 @@ class HostLink:
         self.peer_sock: Any = None  # this worker's peer ROUTER (set by the engine): replies to locals
         self._early: list[tuple[float, bytes, Push]] = []
         self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
+        self.leader_left = 0.0  # when this local's leader left gracefully (0: it did not)
+        self._pending: set[Operation] = set()
 
     def connect(self, book: Book) -> bool:
         """Take a new address book; True if the sockets to poll changed."""
@@ -75,12 +78,13 @@ class HostLink:
         self.hosting = any(len(g) > 1 for g in groups)
         self.leader, self.rank, self.generation = group[0], book.rank, book.generation
         self.gone = {}
+        self.leader_left = 0.0
         if len(group) > 1 and self.leader == book.rank:
             self.rounds = HostRounds(self.config, book.rank, book.generation, group, book.workers,
                                      self.push, self.fail, self.poison)
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:
-            self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)
+            self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid + HOST_ROUTE_SUFFIX)
             self.sock.connect(book.workers[self.leader]["addr"])
         early, self._early = self._early, []
         for since, route, push in early:
@@ -117,16 +121,24 @@ class HostLink:
                                 f"{self.generation}")
 
     # -- failures and deadlines ------------------------------------------------------
-    def worker_gone(self, rank: int, why: str, pending: set[Operation]) -> None:
-        """A worker was lost or left: a local fails what waits on its leader (any worker, in a
-        job that is not elastic: no round can complete), a leader the rounds that wait on it."""
+    def worker_gone(self, rank: int, lost: bool, why: str, pending: set[Operation]) -> None:
+        """A worker was lost or left: a local fails what waits on its leader (and refuses new
+        work in a job that is not elastic: no round can complete), a leader the rounds that wait
+        on it. A leader that left gracefully sent the results it had first: they get a moment."""
         self.gone[rank] = why
         if self.rounds is not None:
             self.rounds.worker_gone(rank, why)
-        elif self.sock is not None and (rank == self.leader or not self.config.elastic):
-            for op in list(pending):
-                if self.way(op) is Way.TO_LEADER:
-                    self.fail(op, self.refusal(op))
+        elif self.sock is not None and rank == self.leader:
+            self._pending = pending
+            if lost:
+                self._fail_leader_waits()
+            else:
+                self.leader_left = time.monotonic()
+
+    def _fail_leader_waits(self) -> None:
+        for op in list(self._pending):
+            if self.way(op) is Way.TO_LEADER:
+                self.fail(op, self.refusal(op))
 
     def refusal(self, op: Operation) -> PeerLostError | None:
         """Why a local cannot push ``op`` to its leader now, or None."""
@@ -150,6 +162,9 @@ class HostLink:
                                                f"within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)"), (), route)
         if self.rounds is not None:
             self.rounds.expire(now)
+        if self.leader_left and now - self.leader_left > LEFT_GRACE:
+            self.leader_left = 0.0
+            self._fail_leader_waits()
 
     def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
         """Locals this leader has waited on for ``after`` seconds (elastic stall reports)."""

@@ -34,6 +34,9 @@ from .operation import Operation
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once
+# A local's connection to its leader has its own routing id: its gossip DEALER to the same peer
+# socket has the plain one, and a ROUTER drops a second connection with an id it already has.
+HOST_ROUTE_SUFFIX = b"/host"
 
 HostRoundId = tuple  # (generation, key, partition, round)
 
@@ -80,7 +83,7 @@ class HostRounds:
         self.generation = generation
         self.members = members
         self.locals = frozenset(members) - {rank}
-        self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(workers)}
+        self.ranks = {bytes.fromhex(w["uid"]) + HOST_ROUTE_SUFFIX: index for index, w in enumerate(workers)}
         self.pids = [w["pid"] for w in workers]
         self.push = push
         self.fail_own = fail

@@ -131,4 +131,4 @@ class PeerEndpoint:
         """Close the channel and the bound socket."""
         if self.channel is not None:
             self.channel.close()
-        self.sock.close(linger=0)
+        self.sock.close()  # lingers: a host leader's last answers to its locals go out

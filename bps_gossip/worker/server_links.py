@@ -348,9 +348,9 @@ class ServerLinks:
             if index in op.servers(nservers):
                 self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {why}"))
 
-    def worker_gone(self, rank: int, why: str) -> None:
+    def worker_gone(self, rank: int, lost: bool, why: str) -> None:
         """A worker was lost or left: what waits on it through this host fails."""
-        self.hosts.worker_gone(rank, why, self.pending)
+        self.hosts.worker_gone(rank, lost, why, self.pending)
 
     def check_deadlines(self, now: float) -> None:
         """Fail operations whose servers (or host leader) said nothing for too long."""
