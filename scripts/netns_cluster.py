@@ -38,6 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--workers", type=int, default=4, help="worker hosts (default 4)")
     parser.add_argument("--servers", type=int, default=1, help="server hosts (default 1)")
+    parser.add_argument("--local-size", type=int, default=1,
+                        help="workers on each worker host (BYTEPS_LOCAL_SIZE; default 1)")
     parser.add_argument("--mbit", type=float, default=1000.0,
                         help="rate of every link in Mbit/s, each direction (0: unlimited; default 1000)")
     parser.add_argument("--slow", action="append", default=[], metavar="HOST=MBIT",
@@ -64,8 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any("=" not in item for item in args.sysctl):
         parser.error("--sysctl takes KEY=VALUE")
     args.sysctl = dict(item.split("=", 1) for item in args.sysctl)
-    if args.workers < 1 or args.servers < 1:
-        parser.error("--workers and --servers must be >= 1")
+    if args.workers < 1 or args.servers < 1 or args.local_size < 1:
+        parser.error("--workers, --servers and --local-size must be >= 1")
     unknown = set(args.slow) - set(host_names(args.workers, args.servers))
     if unknown:
         parser.error(f"--slow names unknown host(s) {sorted(unknown)}: hosts are "
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.time_to_accuracy:
             with tempfile.TemporaryDirectory(prefix="netns_tta_") as tmp:
                 return netns_tta.experiment(net, args, Path(tmp))
-        return run_job(net, args.workers, args.servers, args.command, port=args.port)
+        return run_job(net, args.workers, args.servers, args.command, port=args.port, local_size=args.local_size)
     finally:
         net.destroy()
 

@@ -8,6 +8,7 @@ import pytest
 from cluster import assert_all_ok
 from test_push_pull import COLLECTIVES, SMALL_PARTS
 
+AUTO = {"BPS_GOSSIP_HOST_REDUCE": "auto"}  # the default, whatever the test run's environment says
 TWO_HOSTS = {0: {"DMLC_NODE_HOST": "127.0.0.1"}, 1: {"DMLC_NODE_HOST": "127.0.0.1"},
              2: {"DMLC_NODE_HOST": "127.0.0.2"}, 3: {"DMLC_NODE_HOST": "127.0.0.2"}}
 
@@ -32,7 +33,7 @@ bps.shutdown()
 
 
 def run(cluster, env, per_rank_env, workers=4, servers=1):
-    job = cluster(workers, servers, env)
+    job = cluster(workers, servers, {**AUTO, **env})
     done = job.run_workers(PLACES, timeout=80, per_rank_env=per_rank_env)
     assert_all_ok(done, job)
     job.wait_servers_exit()
@@ -79,7 +80,7 @@ def test_a_worker_without_shared_memory_turns_it_off_for_the_job(cluster):
 def test_collectives_bit_exact_by_host(cluster, servers, env):
     """Every dtype, shape, output form, broadcast and asynchronous order of test_push_pull, with
     two hosts of two workers reducing by host."""
-    job = cluster(4, servers, {**SMALL_PARTS, **env})
+    job = cluster(4, servers, {**AUTO, **SMALL_PARTS, **env})
     done = job.run_workers(COLLECTIVES, timeout=140, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     for f in done:
@@ -107,7 +108,7 @@ bps.shutdown()
 
 @pytest.mark.timeout(100)
 def test_a_mismatch_inside_a_host_fails_every_rank(cluster):
-    job = cluster(4, 1, {})
+    job = cluster(4, 1, AUTO)
     done = job.run_workers(MISMATCH, timeout=80, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     for f in done:
@@ -131,7 +132,7 @@ bps.shutdown()
 
 @pytest.mark.timeout(100)
 def test_compressed_tensors_are_pushed_by_every_worker(cluster):
-    job = cluster(4, 1, {})
+    job = cluster(4, 1, AUTO)
     done = job.run_workers(COMPRESSED_AND_PLAIN, timeout=80, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     values = {f.result["packed"] for f in done}
@@ -146,7 +147,7 @@ def test_a_dead_leader_is_replaced_and_training_stays_exact(cluster):
 
     from test_elastic import ELASTIC_ENV, EPOCHS, JOB, SAMPLES, check_job
 
-    job = cluster(4, env=ELASTIC_ENV)
+    job = cluster(4, env={**AUTO, **ELASTIC_ENV})
     procs = []
     for index in range(4):
         env = {**job.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index), "EPOCHS": str(EPOCHS),

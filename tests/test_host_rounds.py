@@ -18,7 +18,7 @@ from bps_gossip.errors import ProtocolError, TensorMismatchError
 from bps_gossip.protocol import MESSAGES, Push
 from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.shm import OwnedSegment, owner_pid
-from bps_gossip.worker.host_reduce import HOST_ROUTE_SUFFIX, MAX_HOST_ROUNDS, HostRounds
+from bps_gossip.worker.host_reduce import MAX_HOST_ROUNDS, HostRounds, host_route
 from bps_gossip.worker.operation import Operation
 
 pytestmark = pytest.mark.timeout(30)
@@ -58,7 +58,7 @@ def host():
     dealers = {}
     for rank in (1, 2, 3):
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, uids[rank] + HOST_ROUTE_SUFFIX)
+        sock.setsockopt(zmq.IDENTITY, host_route(uids[rank], 3))
         sock.connect(f"tcp://127.0.0.1:{port}")
         dealers[rank] = sock
     setup = Setup(rounds, router, dealers, pushed, poisoned, failed, [])

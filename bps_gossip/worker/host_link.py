@@ -27,7 +27,7 @@ from ..errors import BpsGossipError, PeerLostError, ProtocolError
 from ..hosts import group_of, host_groups
 from ..protocol import Error, Push, send
 from ..transport.sockets import SocketRole, open_socket
-from .host_reduce import HOST_ROUTE_SUFFIX, HostRounds
+from .host_reduce import HostRounds, host_route
 from .operation import Operation
 from .scheduler_link import Book
 
@@ -84,7 +84,7 @@ class HostLink:
                                      self.push, self.fail, self.poison)
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:
-            self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid + HOST_ROUTE_SUFFIX)
+            self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, host_route(self.uid, book.generation))
             self.sock.connect(book.workers[self.leader]["addr"])
         early, self._early = self._early, []
         for since, route, push in early:

@@ -34,9 +34,13 @@ from .operation import Operation
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once
-# A local's connection to its leader has its own routing id: its gossip DEALER to the same peer
-# socket has the plain one, and a ROUTER drops a second connection with an id it already has.
-HOST_ROUTE_SUFFIX = b"/host"
+
+
+def host_route(uid: bytes, generation: int) -> bytes:
+    """The routing id of a local's connection to its leader in ``generation``: its own, since the
+    local's gossip DEALER to the same peer socket has the plain one, and a ROUTER drops a second
+    connection with an id it already has (also the previous generation's, not yet seen closed)."""
+    return uid + b"/host/%d" % generation
 
 HostRoundId = tuple  # (generation, key, partition, round)
 
@@ -83,7 +87,7 @@ class HostRounds:
         self.generation = generation
         self.members = members
         self.locals = frozenset(members) - {rank}
-        self.ranks = {bytes.fromhex(w["uid"]) + HOST_ROUTE_SUFFIX: index for index, w in enumerate(workers)}
+        self.ranks = {host_route(bytes.fromhex(w["uid"]), generation): index for index, w in enumerate(workers)}
         self.pids = [w["pid"] for w in workers]
         self.push = push
         self.fail_own = fail
