@@ -5,6 +5,7 @@ namespaces must be gone afterwards, also when a worker fails. Needs root and ipr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,11 +52,12 @@ bg.shutdown()
 """
 
 
-def run_cluster(command: list[str], timeout: float = 45) -> tuple[subprocess.CompletedProcess, int]:
-    """Run netns_cluster.py with 2 workers and 1 server; its result and pid."""
+def run_cluster(command: list[str], timeout: float = 45, local_size: int = 1,
+                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
+    """Run netns_cluster.py with 2 worker hosts and 1 server; its result and pid."""
     proc = subprocess.Popen([sys.executable, str(SCRIPTS / "netns_cluster.py"), "--workers", "2", "--servers", "1",
-                             "--mbit", "400", "--slow", "worker1=200", "--", *command],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--local-size", str(local_size), "--mbit", "400", "--slow", "worker1=200", "--", *command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -93,3 +95,43 @@ def test_failing_worker_stops_the_job_and_removes_the_namespaces() -> None:
     assert done.returncode == 3, done.stderr[-3000:]
     assert "exited with code 3" in done.stderr
     assert leftover_namespaces(pid) == []
+
+
+# Two workers on each host: the host's link carries what they push between barriers.
+HOST_WORKER = f"""
+import numpy as np, bps_gossip as bg
+
+def sent():
+    return int(open("/sys/class/net/eth0/statistics/tx_bytes").read())
+
+bg.init()
+rank, size = bg.rank(), bg.size()
+x = np.full({ELEMENTS}, rank + 1, dtype=np.float32)
+bg.push_pull(x, name="t", average=False)  # connections and segments made
+bg.barrier()
+before = sent()
+for _ in range({ROUNDS}):
+    out = bg.push_pull(x, name="t", average=False)
+    assert np.all(out == size * (size + 1) / 2), out[:4]
+bg.barrier()
+print(f"RESULT rank={{rank}} size={{size}} tx={{sent() - before}}", flush=True)
+bg.shutdown()
+"""
+
+
+def test_one_push_per_host_halves_what_a_host_sends() -> None:
+    """2 hosts x 2 workers: with the default (auto) each host's leader pushes the host's sum, so a
+    host's link carries about half of what its two workers push without it (issue 21: <= 0.6)."""
+    sent = {}
+    for mode in ("off", "auto"):
+        done, pid = run_cluster([sys.executable, "-c", HOST_WORKER], local_size=2,
+                                env={"BPS_GOSSIP_HOST_REDUCE": mode})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert leftover_namespaces(pid) == []
+        lines = [dict(item.split("=", 1) for item in line.split("RESULT ", 1)[1].split())
+                 for line in done.stdout.splitlines() if "RESULT " in line]
+        assert sorted(int(f["rank"]) for f in lines) == [0, 1, 2, 3] and all(f["size"] == "4" for f in lines)
+        sent[mode] = max(int(f["tx"]) for f in lines)  # both workers of a host read its one link
+    payload = ELEMENTS * 4 * ROUNDS
+    assert sent["off"] >= 2 * payload, sent
+    assert payload <= sent["auto"] <= 0.6 * sent["off"], sent
