@@ -131,18 +131,48 @@ def _float(env: Mapping[str, str], name: str, default: float, positive: bool = T
     return value
 
 
+MIN_SECRET_BITS = 128
+MIN_SECRET_DISTINCT = 8  # 'abababab...' has the length but not the bits
+MAKE_A_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
 def _job_keys(env: Mapping[str, str]) -> JobKeys | None:
-    """The CURVE keys of BPS_GOSSIP_SECRET, or of the first line of BPS_GOSSIP_SECRET_FILE."""
+    """The CURVE keys of BPS_GOSSIP_SECRET, or of the first line of BPS_GOSSIP_SECRET_FILE.
+    Set but blank, or too weak to resist guessing, is a ConfigError: never silently plain."""
+    if "BPS_GOSSIP_SECRET" in env and _get(env, "BPS_GOSSIP_SECRET") is None:
+        raise ConfigError("BPS_GOSSIP_SECRET is set but blank: unset it to run without a secret (plain sockets), "
+                          f"or give one ({MAKE_A_SECRET})")
     secret, path = _get(env, "BPS_GOSSIP_SECRET"), _get(env, "BPS_GOSSIP_SECRET_FILE")
     if secret is not None and path is not None:
         raise ConfigError("set BPS_GOSSIP_SECRET or BPS_GOSSIP_SECRET_FILE, not both")
+    source = "BPS_GOSSIP_SECRET"
     if path is not None:
+        source = f"the first line of BPS_GOSSIP_SECRET_FILE={path!r}"
         try:
             with open(path, encoding="utf-8") as file:
                 secret = file.readline().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"BPS_GOSSIP_SECRET_FILE={path!r} cannot be read: {exc}") from None
-    return None if secret is None else JobKeys.from_secret(secret)
+    if secret is None:
+        return None
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS or len(set(secret)) < MIN_SECRET_DISTINCT:
+        raise ConfigError(f"{source} is too weak to keep others out ({len(secret)} characters, "
+                          f"{len(set(secret))} different, about {bits:.0f} bits; at least {MIN_SECRET_BITS} bits "
+                          f"and {MIN_SECRET_DISTINCT} different characters): make one with {MAKE_A_SECRET}")
+    return JobKeys.from_secret(secret)
+
+
+def secret_bits(secret: str) -> float:
+    """A generous estimate of a secret's strength: its length times the bits of a character from
+    the classes it uses (32 hex digits: 128 bits; 22 letters and digits: 131)."""
+    if set(secret.lower()) <= set("0123456789abcdef"):
+        pool = 16  # hex: 4 bits a character, whatever the case
+    else:
+        classes = [(str.islower, 26), (str.isupper, 26), (str.isdigit, 10)]
+        pool = sum(size for test, size in classes if any(test(c) for c in secret))
+        pool += 33 if any(not (c.islower() or c.isupper() or c.isdigit()) for c in secret) else 0
+    return len(secret) * math.log2(max(pool, 2))
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:

@@ -169,9 +169,10 @@ def tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def base_env(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment plus ``extra``; Python output unbuffered."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+def base_env(extra: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment plus ``extra`` (None: unset); Python output unbuffered."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    return {name: value for name, value in env.items() if value is not None}
 
 
 class WorkerGroup:

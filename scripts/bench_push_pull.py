@@ -79,7 +79,7 @@ def systems(separate_hosts: bool = False, curve: bool = False) -> list[System]:
         shm = {} if separate_hosts else {"BPS_GOSSIP_SHM": "0"}
         ours = [line for line in ours if line.name not in ("ours (tcp)", "ours (shm off)")]
         ours += [System("ours (tcp, CURVE)", "bps", {**shm, **secret}),
-                 System("ours (tcp, no secret)", "bps", {**shm, "BPS_GOSSIP_SECRET": ""})]
+                 System("ours (tcp, no secret)", "bps", {**shm, "BPS_GOSSIP_SECRET": None})]
     return [*ours, System(REFERENCE, "mxnet")]
 
 

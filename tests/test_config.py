@@ -208,24 +208,40 @@ def test_config_error_is_a_value_error():
         load_config({"DMLC_NUM_WORKER": "abc"})
 
 
+S1, S2 = "0123456789abcdef" * 2, "fedcba9876543210" * 2  # 128 bits each
+
+
 def test_mode_and_secret():
     assert load_config({}).mode == "gossip" and load_config({"BPS_GOSSIP_MODE": " AllReduce "}).mode == "allreduce"
     assert load_config({}).keys is None
-    keys = load_config({"BPS_GOSSIP_SECRET": "s" * 16}).keys
-    assert keys is not None and keys == load_config({"BPS_GOSSIP_SECRET": "s" * 16}).keys
-    assert keys != load_config({"BPS_GOSSIP_SECRET": "t" * 16}).keys
-    assert "s" * 16 not in repr(load_config({"BPS_GOSSIP_SECRET": "s" * 16}))
+    keys = load_config({"BPS_GOSSIP_SECRET": S1}).keys
+    assert keys is not None and keys == load_config({"BPS_GOSSIP_SECRET": S1}).keys
+    assert keys != load_config({"BPS_GOSSIP_SECRET": S2}).keys
+    assert S1 not in repr(load_config({"BPS_GOSSIP_SECRET": S1}))
 
 
 def test_secret_file(tmp_path):
     path = tmp_path / "secret"
-    path.write_text("u" * 20 + "\nignored\n")
-    assert load_config({"BPS_GOSSIP_SECRET_FILE": str(path)}).keys == load_config({"BPS_GOSSIP_SECRET": "u" * 20}).keys
+    path.write_text(S2 + "\nignored\n")
+    assert load_config({"BPS_GOSSIP_SECRET_FILE": str(path)}).keys == load_config({"BPS_GOSSIP_SECRET": S2}).keys
+    path.write_text("a" * 40 + "\n")
+    with pytest.raises(ConfigError, match="BPS_GOSSIP_SECRET_FILE=.* is too weak"):
+        load_config({"BPS_GOSSIP_SECRET_FILE": str(path)})
 
 
-@pytest.mark.parametrize("env", [{"BPS_GOSSIP_SECRET": "short"},
-                                 {"BPS_GOSSIP_SECRET": "s" * 16, "BPS_GOSSIP_SECRET_FILE": "/x"}])
-def test_bad_secret_is_named_but_never_shown(env):
-    with pytest.raises(ConfigError) as info:
+@pytest.mark.parametrize("env,why", [
+    ({"BPS_GOSSIP_SECRET": "short"}, "too weak"),
+    ({"BPS_GOSSIP_SECRET": "a" * 16}, "too weak"),  # issue 22: was accepted
+    ({"BPS_GOSSIP_SECRET": "0123456789abcde"}, "too weak"),  # 15 hex digits: 60 bits
+    ({"BPS_GOSSIP_SECRET": "ab" * 64}, "8 different characters"),
+    ({"BPS_GOSSIP_SECRET": ""}, "set but blank"),  # issue 22: silently meant plain sockets
+    ({"BPS_GOSSIP_SECRET": "   "}, "set but blank"),
+    ({"BPS_GOSSIP_SECRET": S1, "BPS_GOSSIP_SECRET_FILE": "/x"}, "not both"),
+])
+def test_bad_secret_is_named_but_never_shown(env, why):
+    with pytest.raises(ConfigError, match=why) as info:
         load_config(env)
-    assert "BPS_GOSSIP_SECRET" in str(info.value) and "short" not in str(info.value)
+    text = str(info.value)
+    assert "BPS_GOSSIP_SECRET" in text and "short" not in text and "a" * 16 not in text and "abab" not in text
+    if why == "too weak":
+        assert "secrets.token_hex(32)" in text  # says how to make one

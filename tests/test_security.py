@@ -50,14 +50,16 @@ def test_a_process_without_the_secret_is_refused_everywhere(cluster):
             report(["joined"])
         except bps.BpsGossipError as exc:
             report([type(exc).__name__, str(exc), time.monotonic() - start])
-    ''', per_rank_env={0: {"BPS_GOSSIP_SECRET": "not-the-job-secret-at-all"}, 1: {"BPS_GOSSIP_SECRET": ""}},
+    ''', per_rank_env={0: {"BPS_GOSSIP_SECRET": "not-the-job-secret-at-all-" + "9f3a" * 8},
+                   1: {"BPS_GOSSIP_SECRET": None}},
         timeout=30)
     wrong, missing = sorted(bad, key=lambda f: f.rank_hint)
     assert wrong.result[0] == "ConfigError" and "BPS_GOSSIP_SECRET is not the job's" in wrong.result[1], wrong
     assert missing.result[0] == "ConfigError" and "has no secret and the job has one" in missing.result[1], missing
     assert wrong.result[2] < 5 and missing.result[2] < 5
     rogue = job.spawn([sys.executable, "-m", "bps_gossip.server"],
-                      {**job.env, "DMLC_ROLE": "server", "BPS_GOSSIP_SECRET": "x" * 20}, "rogue_server")
+                      {**job.env, "DMLC_ROLE": "server", "BPS_GOSSIP_SECRET": "rogue-" + "0a1b2c3d" * 4},
+                      "rogue_server")
     assert rogue.wait(20) == 2
     assert "secure handshake" in job.dump()
 
