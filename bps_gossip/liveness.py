@@ -10,7 +10,9 @@ process under its pid here started at that very tick.
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import signal
 
 
@@ -30,12 +32,33 @@ def start_ticks(pid: int | str = "self") -> int | None:
         return None
 
 
-def _state(pid: int) -> bytes | None:
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name; None if there is no such process.
+    Raises OSError when the kernel cannot be asked (no file descriptor left, for example)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
-            return file.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
+            stat = file.read()
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return None
+        raise
+    return stat.rpartition(b")")[2].split()
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open files to the hard one (a scheduler or server holds
+    a descriptor per connection; 1024 is a common soft default); return the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class LocalProcess:
@@ -52,13 +75,24 @@ class LocalProcess:
             return None
         return cls(pid, ticks)
 
-    def alive(self) -> bool:
-        """False once the process has exited (gone, a zombie, or its pid taken by another)."""
-        return start_ticks(self.pid) == self.ticks and _state(self.pid) not in (b"Z", b"X", None)
+    def alive(self) -> bool | None:
+        """False once the process has exited (gone, a zombie, or its pid taken by another); None
+        when the kernel cannot tell now (no file descriptor left): unknown is never dead."""
+        try:
+            fields = _stat_fields(self.pid)
+        except OSError:
+            return None
+        if fields is None or len(fields) < 20:
+            return False
+        try:
+            ticks = int(fields[19])
+        except ValueError:
+            return False
+        return ticks == self.ticks and fields[0] not in (b"Z", b"X")
 
     def kill(self) -> None:
-        """SIGKILL it, if it is still the same process (a stopped or stuck one too)."""
-        if start_ticks(self.pid) == self.ticks:
+        """SIGKILL it, if it is provably still the same process (a stopped or stuck one too)."""
+        if self.alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

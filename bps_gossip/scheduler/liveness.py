@@ -14,7 +14,7 @@ from ..membership import Membership, Node
 def why_gone(node: Node, now: float, timeout: float) -> str | None:
     """Why ``node`` counts as gone, or None while it lives. On this host the kernel tells at
     once; heartbeats would take a timeout."""
-    if node.local is not None and not node.local.alive():
+    if node.local is not None and node.local.alive() is False:  # None: the kernel cannot tell now
         return "its process exited"
     if now - node.last_seen > timeout:
         return f"no heartbeat for {now - node.last_seen:.1f} s"

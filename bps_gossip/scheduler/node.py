@@ -13,7 +13,7 @@ import zmq
 
 from ..config import Config, load_config
 from ..errors import BpsGossipError, ConfigError, ProtocolError
-from ..liveness import LocalProcess
+from ..liveness import LocalProcess, raise_open_files_limit
 from ..logs import get_logger
 from ..membership import Membership, Node
 from ..protocol import (
@@ -314,6 +314,7 @@ def main() -> int:
     """Entry point: run the scheduler from the environment."""
     try:
         config = load_config()
+        raise_open_files_limit()
         scheduler = Scheduler(config)
         scheduler.run()
         return scheduler.exit_code

@@ -14,7 +14,7 @@ import zmq
 from ..aggregation import Contribution
 from ..config import Config, load_config
 from ..errors import BpsGossipError, PeerLostError, ProtocolError
-from ..liveness import start_ticks
+from ..liveness import raise_open_files_limit, start_ticks
 from ..logs import get_logger
 from ..protocol import (
     AddressBook,
@@ -177,6 +177,7 @@ def main() -> int:
     """Entry point: run one server from the environment."""
     try:
         config = load_config()
+        raise_open_files_limit()
         server = Server(config)
         server.register()
         server.run()

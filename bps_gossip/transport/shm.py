@@ -150,12 +150,15 @@ def sweep(job: str | None = None, pid: int | None = None) -> int:
     """Remove leftover segments of ``job`` (all of it, or one owner ``pid``); return how many."""
     pattern = f"{PREFIX}_{job or '*'}_{pid if pid is not None else '*'}_*"
     removed = 0
-    for path in SHM_DIR.glob(pattern):
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
+    try:
+        for path in SHM_DIR.glob(pattern):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+    except OSError:  # no descriptor left to list the directory: the next sweep (or bpslaunch's) does it
+        pass
     return removed
 
 

@@ -22,6 +22,9 @@ from .security import make_socket
 
 MAX_CONTROL_BYTES = 4 * MAX_HEADER_BYTES  # the largest message the scheduler accepts
 MIN_MAX_FRAME = 64 << 20  # a server's frame limit is at least this
+# A bound socket closes a connection that has not completed its handshake by then (ZeroMQ's
+# default is 30 s): idle connections from anyone would otherwise hold a descriptor each.
+HANDSHAKE_MS = 5000
 
 
 class SocketRole(enum.Enum):
@@ -90,4 +93,6 @@ def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: by
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if spec.max_frame is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, spec.max_frame(config))
+    if spec.serve:
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     return sock

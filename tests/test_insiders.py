@@ -1,0 +1,88 @@
+"""Issue 22: what a process on the network (with or without the job secret) must not be able to
+do to a job: exhaust the scheduler's file descriptors, have a live process declared dead, or
+crash a role. Real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+from cluster import assert_all_ok
+
+from bps_gossip.liveness import LocalProcess, raise_open_files_limit, start_ticks
+
+STEADY = '''
+import time, numpy as np, bps_gossip as bps
+bps.init()
+print("READY", flush=True)
+total = 0.0
+for step in range(50):
+    total += float(bps.push_pull(np.ones(4, np.float32), "x", average=False).sum())
+    time.sleep(0.12)
+report({"rank": bps.rank(), "total": total})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(90)
+def test_idle_connections_exhaust_no_role_and_kill_nobody(cluster):
+    """Issue 22, item 1: idle TCP connections (no secret needed) fill the scheduler's file
+    descriptors (a limit of 96 here, soft and hard). It used to read 'no such process' into
+    the failed /proc reads, declare the live server and workers lost, and die in the
+    shared-memory sweep. Now a liveness check that cannot tell is 'unknown', and ZeroMQ closes
+    connections that never complete a handshake after a few seconds."""
+    job = cluster(2, start_servers=False)
+    env = {**job.env, "DMLC_ROLE": "scheduler"}
+    job.scheduler = job.spawn(["sh", "-c", f"ulimit -n 96 && exec {sys.executable} -m bps_gossip.scheduler"],
+                              env, "scheduler0")
+    job.scheduler.role = "scheduler"
+    job.server_procs = [job.spawn_role("server")]
+    workers = job.start_workers(STEADY)
+    deadline = time.monotonic() + 30
+    while sum("READY" in open(p.out_file.name).read() for p in workers) < 2:
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    idle = []
+    try:
+        for _ in range(200):  # past the limit: later connects are accepted by the kernel, never by it
+            idle.append(socket.create_connection(("127.0.0.1", job.port), timeout=5))
+        time.sleep(3)  # heart-beat checks run every 0.2 s meanwhile
+    finally:
+        for sock in idle:
+            sock.close()
+    done = job.wait(workers, timeout=60)
+    assert_all_ok(done, job)
+    assert {f.result["total"] for f in done} == {400.0}
+    job.wait_servers_exit()
+    assert job.scheduler.returncode == 0, job.dump()
+    assert "lost" not in job.dump(), job.dump()
+
+
+def test_unknown_liveness_is_not_death(monkeypatch):
+    me = LocalProcess.find(*_self())
+    assert me is not None and me.alive() is True
+
+    def no_descriptors(*_args, **_kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr("builtins.open", no_descriptors)
+    assert me.alive() is None  # unknown
+    me.kill()  # does nothing: only a process proven to be the same is signalled
+
+
+def test_open_files_limit_is_raised_to_the_hard_one():
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        assert raise_open_files_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(hard, 1 << 20) \
+            or hard == resource.RLIM_INFINITY
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _self() -> tuple[int, int]:
+    import os
+    return os.getpid(), start_ticks()
