@@ -131,6 +131,9 @@ def _float(env: Mapping[str, str], name: str, default: float, positive: bool = T
     return value
 
 
+# Set by bpslaunch for the scheduler of a job whose secret file it made: the scheduler removes the
+# file when it ends (bpslaunch does too, unless it was killed).
+OWNED_SECRET_VAR = "BPS_GOSSIP_SECRET_FILE_OWNED"
 MIN_SECRET_BITS = 128
 MIN_SECRET_DISTINCT = 8  # 'abababab...' has the length but not the bits
 MAKE_A_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"

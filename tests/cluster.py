@@ -104,14 +104,16 @@ class Cluster:
         return proc
 
     def start_workers(self, code: str, count: int | None = None, env: dict[str, str] | None = None,
-                      per_rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
-        """Start ``count`` workers (default: all) running ``code`` with report() defined."""
+                      per_rank_env: dict[int, dict[str, str | None]] | None = None) -> list[subprocess.Popen]:
+        """Start ``count`` workers (default: all) running ``code`` with report() defined (an
+        environment value of None unsets the variable)."""
         script = self.tmp_path / f"worker_{len(self.procs)}.py"
         script.write_text(PRELUDE + textwrap.dedent(code))
         procs = []
         for index in range(self.workers if count is None else count):
             worker_env = {**self.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index),
                           **(env or {}), **((per_rank_env or {}).get(index, {}))}
+            worker_env = {name: value for name, value in worker_env.items() if value is not None}  # None: unset
             proc = self.spawn([sys.executable, str(script)], worker_env, f"worker{index}_{len(self.procs)}")
             proc.rank_hint = index  # type: ignore[attr-defined]
             procs.append(proc)

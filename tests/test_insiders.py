@@ -92,3 +92,13 @@ def test_open_files_limit_is_raised_to_the_hard_one():
 def _self() -> tuple[int, int]:
     import os
     return os.getpid(), start_ticks()
+
+
+def test_a_rejoin_with_an_infinite_generation_is_a_protocol_error():
+    """Issue 22, item 5: generation=inf killed the scheduler (OverflowError outside fields.py)."""
+    from bps_gossip.errors import ProtocolError
+    from bps_gossip.protocol import Rejoin
+
+    for generation in (float("inf"), float("nan"), 1e300, 1 << 70, -1, "3", True):
+        with pytest.raises(ProtocolError, match="generation"):
+            Rejoin.decode({"op": "rejoin", "generation": generation})

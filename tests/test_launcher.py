@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -302,3 +303,51 @@ def test_help_and_exit_codes(capsys):
     for word in ("-np", "--num-servers", "DMLC_ROLE", "BYTEPS_LOCAL_SIZE", "Exit status"):
         assert word in text
     assert supervisor.exit_code(-signal.SIGKILL) == 137 and supervisor.exit_code(3) == 3
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_bpslaunch_leaves_no_process_and_no_secret(job):
+    """Issue 22, item 7: SIGKILL gives bpslaunch no time to stop anyone; the kernel's
+    parent-death signal does, and the scheduler removes the secret file bpslaunch made."""
+    body = """
+    import os, time, bps_gossip as bps
+    bps.init()
+    print("READY", os.getpid(), os.environ["BPS_GOSSIP_SECRET_FILE"], flush=True)
+    time.sleep(1000)
+    """
+    job.env.pop("BPS_GOSSIP_SECRET", None)  # bpslaunch makes one, in a file
+    proc = job.start(["-np", "2", sys.executable, job.script(body)])
+    deadline = time.monotonic() + 30
+    while job.output(proc)[0].count("READY") < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, job.output(proc)
+        time.sleep(0.1)
+    ready = re.findall(r"READY (\d+) (\S+)", job.output(proc)[0])
+    secret = Path(ready[0][1])
+    assert secret.exists()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while (tagged_pids(job.tag) or secret.exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, _ in ready:  # gone, or a zombie nobody reaps (bpslaunch, their parent, is dead)
+        assert _state(int(pid)) in ("gone", "Z"), pid
+    job.assert_nothing_left()
+    assert not secret.exists()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_variable_leaves_no_secret_file(job):
+    """Issue 23, item 10: exit status 2 left the secret file bpslaunch had already written."""
+    job.env.pop("BPS_GOSSIP_SECRET", None)  # bpslaunch makes one, in a file
+    before = set(Path(tempfile.gettempdir()).glob("bpsg_secret_*"))
+    code, out, err = job.finish(job.start(["-np", "2", sys.executable, job.script("print(1)\n")],
+                                          env={"BPS_GOSSIP_TIMEOUT": "abc"}))
+    assert code == 2 and "BPS_GOSSIP_TIMEOUT" in err, out + err
+    assert set(Path(tempfile.gettempdir()).glob("bpsg_secret_*")) == before

@@ -137,3 +137,21 @@ def test_next_generation_waits_for_its_book(pair):
     future = Future()
     b.expect(PeerExpect("g", 0, [0], future))
     np.testing.assert_array_equal(future.result(0)[0][1][0], np.full(3, 7.0))
+
+
+def test_rounds_far_ahead_are_not_kept(pair):
+    """Issue 22, item 4: a peer could park rounds nobody will claim for the whole job."""
+    from bps_gossip.worker.peers import MAX_AHEAD
+
+    a, b = pair
+    send(a, 1, 0, 1.0)
+    got = Future()
+    b.expect(PeerExpect("g", 0, [0], got))
+    assert pump(b, got.done)
+    send(a, 1, 1 + MAX_AHEAD, 9.0)  # a runaway
+    assert b.sock.poll(2000)
+    with pytest.raises(ProtocolError, match="dropped"):
+        b.channel.on_message(*_receive_gossip(b))
+    send(a, 1, 1, 2.0)  # the next round is kept as before, and so is round 0 of a new averager
+    send(a, 1, 0, 3.0)
+    assert pump(b, lambda: ("g", 1) in b.channel.inbox and ("g", 0) in b.channel.inbox)

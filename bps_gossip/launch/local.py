@@ -17,7 +17,7 @@ import socket
 import tempfile
 from collections.abc import Mapping
 
-from ..config import Config, load_config
+from ..config import OWNED_SECRET_VAR, Config, load_config
 from ..errors import ConfigError
 from ..transport import shm
 from .backend import Backend, Process, check_command
@@ -25,7 +25,7 @@ from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command
 from .supervisor import Child, Supervisor
 
 # Local mode owns these: every process runs on this machine, in one job.
-_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT")
+_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT", OWNED_SECRET_VAR)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +76,13 @@ class LocalBackend(Backend):
         self.port = free_port()
         if not base.get("BPS_GOSSIP_SECRET") and not base.get("BPS_GOSSIP_SECRET_FILE"):
             self.secret_file = base["BPS_GOSSIP_SECRET_FILE"] = make_secret_file(self.port)
+        try:
+            return self._plan(base, command)
+        except BaseException:  # a bad variable ends bpslaunch with status 2: the secret goes first
+            self._remove_secret()
+            raise
+
+    def _plan(self, base: dict[str, str], command: list[str]) -> list[Process]:
         base.update({
             "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": str(self.num_servers),
             "BYTEPS_LOCAL_SIZE": str(self.num_proc), "DMLC_PS_ROOT_URI": "127.0.0.1",
@@ -94,6 +101,8 @@ class LocalBackend(Backend):
                          for i in range(self.num_servers)]
         for service in services:
             load_config(service.env)
+        if self.secret_file is not None and services:  # the scheduler removes it if bpslaunch is killed
+            services[0].env[OWNED_SECRET_VAR] = "1"
         return services + [Process("worker", f"worker {rank}", f"[{rank}] ", env)
                            for rank, env in enumerate(self.workers)]
 
@@ -109,8 +118,14 @@ class LocalBackend(Backend):
                           restart_delay(self.config)).run()
 
     def close(self) -> None:
+        self._remove_secret()  # first: nothing after it may keep it on disk
         if self.port is not None:
             shm.sweep(str(self.port))  # segments of workers that were killed (they could not unlink)
+
+    def _remove_secret(self) -> None:
         if self.secret_file is not None:
-            os.unlink(self.secret_file)
+            try:
+                os.unlink(self.secret_file)
+            except FileNotFoundError:
+                pass  # the scheduler removed it (bpslaunch was being killed)
             self.secret_file = None

@@ -4,12 +4,15 @@ scripts/netns_job.py).
 
 Every child runs in its own session, so that stopping it also stops whatever it started:
 the supervisor sends the signal to the child's process group, waits a grace period, then
-sends SIGKILL.
+sends SIGKILL. On Linux every child also gets a parent-death signal: if bpslaunch itself is
+killed (SIGKILL leaves it no time to stop anyone), the kernel stops its children (workers and
+servers at once; the scheduler with SIGTERM, so that it can remove the job's secret file).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import os
 import re
@@ -29,11 +32,28 @@ SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit aft
 _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
+_PR_SET_PDEATHSIG = 1
+# Looked up once here: the child between fork and exec should only make the system call.
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform.startswith("linux") else None
 
 
-def start_in_session(argv: list[str], env: Mapping[str, str], **popen: object) -> subprocess.Popen:
+def _dies_with_parent(signum: int, parent: int):  # noqa: ANN202 - a preexec_fn
+    """A preexec_fn: ``signum`` reaches the child when its parent ends (or has ended already)."""
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(128 + signum)
+    return preexec
+
+
+def start_in_session(argv: list[str], env: Mapping[str, str], parent_death: int | None = None,
+                     **popen: object) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new session (its own process group), so that
-    :func:`kill_groups` stops it and everything it started. ``popen``: Popen's stream arguments."""
+    :func:`kill_groups` stops it and everything it started. ``parent_death``: the signal it gets
+    when this process ends (Linux; only from the main thread, since the kernel sends it when the
+    forking thread ends). ``popen``: Popen's stream arguments."""
+    if parent_death is not None and _prctl is not None and threading.current_thread() is threading.main_thread():
+        popen["preexec_fn"] = _dies_with_parent(parent_death, os.getpid())
     return subprocess.Popen(argv, env=dict(env), start_new_session=True, **popen)  # type: ignore[call-overload]
 
 
@@ -121,7 +141,8 @@ class Supervisor:
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         if stdin_data is not None:
             stdin = subprocess.PIPE
-        proc = start_in_session(argv, env, stdin=stdin, stdout=pipe, stderr=pipe)
+        death = signal.SIGTERM if role == "scheduler" else signal.SIGKILL
+        proc = start_in_session(argv, env, parent_death=death, stdin=stdin, stdout=pipe, stderr=pipe)
         if stdin_data is not None:
             assert proc.stdin is not None
             try:

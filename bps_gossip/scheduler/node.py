@@ -4,14 +4,17 @@ and the end of the job."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 import zmq
 
-from ..config import Config, load_config
+from ..config import OWNED_SECRET_VAR, Config, load_config
 from ..errors import BpsGossipError, ConfigError, ProtocolError
 from ..liveness import LocalProcess, raise_open_files_limit
 from ..logs import get_logger
@@ -312,6 +315,20 @@ class Scheduler:
 
 def main() -> int:
     """Entry point: run the scheduler from the environment."""
+    owned = os.environ.get("BPS_GOSSIP_SECRET_FILE") if os.environ.get(OWNED_SECRET_VAR) == "1" else None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM ends it through its clean-up
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        return _run()
+    finally:
+        if owned:  # bpslaunch made it for this job (and may have been killed): the job is over
+            try:
+                os.unlink(owned)
+            except OSError:
+                pass
+
+
+def _run() -> int:
     try:
         config = load_config()
         raise_open_files_limit()

@@ -72,7 +72,7 @@ class HostLink:
         old, self.sock = self.sock, None
         if old is not None:
             old.close(linger=0)
-        groups = host_groups([w["addr"] for w in book.workers], [w["host_reduce"] for w in book.workers],
+        groups = host_groups([w["addr"] for w in book.workers], [w.get("host_reduce", "off") for w in book.workers],
                              book.servers)
         group = group_of(groups, book.rank)
         self.hosting = any(len(g) > 1 for g in groups)

@@ -27,6 +27,7 @@ from .peers import LEFT_GRACE, PeerChannel
 from .scheduler_link import Book
 
 MAX_EARLY = 1024  # peer messages of the next generation kept until its book arrives
+MAX_EARLY_BYTES = 1 << 30  # and their payload bytes
 
 
 class PeerEndpoint:
@@ -73,9 +74,12 @@ class PeerEndpoint:
     def _on_gossip(self, route: bytes, msg: Gossip, frames: list[zmq.Frame]) -> None:
         generation = msg.gen
         if generation > self.generation:  # the sender has its new book already
-            if generation > max(self.generation, self.next_generation) + 1 or len(self._early) >= MAX_EARLY:
+            size = sum(len(frame) for frame in frames)
+            held = sum(len(frame) for _, _, early in self._early for frame in early)
+            if generation > max(self.generation, self.next_generation) + 1 or len(self._early) >= MAX_EARLY \
+                    or held + size > MAX_EARLY_BYTES:
                 raise ProtocolError(f"gossip for generation {generation} while this worker is in "
-                                    f"{self.generation}: dropped")
+                                    f"{self.generation} ({len(self._early)} messages, {held} bytes held): dropped")
             self._early.append((route, msg, frames))
         elif generation == self.generation:
             self.channel.on_message(route, msg, frames)

@@ -38,6 +38,7 @@ LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages 
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
 MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
+MAX_AHEAD = 64  # rounds of one tag a peer may be ahead of the last one read from it
 
 Message = Tuple[Dict[str, Any], List[np.ndarray]]
 Filed = Tuple[Dict[str, Any], List[np.ndarray], int]  # a message and the bytes it holds
@@ -79,6 +80,7 @@ class PeerChannel:
         self.pool: SegmentPool | None = None  # set by the engine where shared memory works
         self.in_flight: dict[str, tuple[int, str, OwnedSegment]] = {}  # segment name -> (dst, pool key, segment)
         self.attached = AttachedSegments(MAX_ATTACHED)
+        self.read: dict[tuple[str, int], int] = {}  # (tag, source) -> the last round read from it
 
     def is_local(self, dst: int) -> bool:
         """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
@@ -142,6 +144,10 @@ class PeerChannel:
         the gossip core gets its header as a dict (tag, round, keys, weight, shm)."""
         src = self.sender(route)
         tag, rnd = msg.tag, msg.round
+        last = self.read.get((tag, src))
+        if last is not None and rnd > last + MAX_AHEAD:  # a runaway (a new averager may reuse a tag from 0)
+            raise ProtocolError(f"rank {src} sent round {rnd} of {tag!r} while round {last} is the last read "
+                                f"(at most {MAX_AHEAD} rounds ahead): dropped")
         if msg.shm is not None:
             arrays = self._shared_arrays(src, msg)
         else:
@@ -211,6 +217,8 @@ class PeerChannel:
 
     def _claim(self, box: dict[int, Filed], src: int) -> Message:
         msg, arrays, size = box.pop(src)
+        key = (msg["tag"], src)
+        self.read[key] = msg["round"]
         self.pending[src][0] -= 1
         self.pending[src][1] -= size
         return msg, arrays
