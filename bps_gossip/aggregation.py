@@ -61,7 +61,7 @@ class Round:
         self.lock = threading.Lock()
         self.created = time.monotonic()
         self.stall_reported = False  # elastic: the missing ranks were reported to the scheduler
-        self.hosted = False  # pushed by host leaders, one sum per host (bps_gossip.hosts)
+        self.hosted = False  # pushed by host leaders, one sum per host (bps_gossip.host_groups)
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .hosts import HOST_REDUCE_MODES
+from .host_groups import HOST_REDUCE_MODES
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
@@ -54,7 +54,7 @@ class Config:
     heartbeat_timeout: float = 10.0
     port: int = 0
     shm: bool = True
-    host_reduce: str = "auto"  # workers on one host reduce first, one of them pushes (bps_gossip.hosts)
+    host_reduce: str = "auto"  # workers on one host reduce first, one of them pushes (bps_gossip.host_groups)
     elastic: bool = False
     min_workers: int = 1
     max_workers: int = 0  # 0: no limit

@@ -1,4 +1,4 @@
-"""One push per host (bps_gossip.hosts): workers on one host reduce through shared memory and
+"""One push per host (bps_gossip.host_groups): workers on one host reduce through shared memory and
 their leader pushes for them. Two emulated hosts on loopback (workers advertising 127.0.0.1
 and 127.0.0.2; both are this machine's loopback), so the default mode (auto) turns it on."""
 

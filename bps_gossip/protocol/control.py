@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import fields
 from ..errors import ProtocolError
-from ..hosts import HOST_REDUCE_MODES
+from ..host_groups import HOST_REDUCE_MODES
 from .base import (
     MAX_RANK,
     MAX_WHY,
@@ -115,7 +115,7 @@ class BookEntry:
     pid: int
     local_rank: int
     local_size: int
-    host_reduce: str = "off"  # how it reduces with the workers on its host (bps_gossip.hosts)
+    host_reduce: str = "off"  # how it reduces with the workers on its host (bps_gossip.host_groups)
 
     @classmethod
     def read(cls, entry: Any) -> BookEntry:

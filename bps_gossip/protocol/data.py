@@ -79,7 +79,7 @@ class Push(Message):
     codec: dict[str, Any] | None = custom(_codec_spec, None)  # compressed: the codec's parameters
     shm: str | None = optional_text(256)  # the worker's segment holding the payload
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
-    hosted: bool = custom(lambda m, k: fields.flag(m, k, False), False)  # a host leader's sum (bps_gossip.hosts)
+    hosted: bool = custom(lambda m, k: fields.flag(m, k, False), False)  # a host leader's sum (bps_gossip.host_groups)
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)

@@ -316,6 +316,7 @@ class Scheduler:
 def main() -> int:
     """Entry point: run the scheduler from the environment."""
     owned = os.environ.get("BPS_GOSSIP_SECRET_FILE") if os.environ.get(OWNED_SECRET_VAR) == "1" else None
+    launcher = os.getppid()
     if threading.current_thread() is threading.main_thread():  # SIGTERM ends it through its clean-up
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
@@ -326,6 +327,10 @@ def main() -> int:
                 os.unlink(owned)
             except OSError:
                 pass
+            port = os.environ.get("DMLC_PS_ROOT_PORT", "")
+            if os.getppid() != launcher and port.isdigit():  # bpslaunch was killed, its workers too
+                time.sleep(0.5)
+                shm.sweep(port)
 
 
 def _run() -> int:

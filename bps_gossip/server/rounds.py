@@ -23,7 +23,7 @@ from ..aggregation import Contribution, Round, RoundId
 from ..compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from ..config import Config
 from ..errors import ProtocolError
-from ..hosts import host_groups
+from ..host_groups import host_groups
 from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..transport.shm import AttachedSegments, owner_pid
 from .pool import SumPool
@@ -59,7 +59,7 @@ class Rounds:
         self.size = 0
         self.ranks: dict[bytes, int] = {}  # a worker's routing id -> its rank, from the address book
         self.pids: list[int] = []  # by rank: a worker's shared-memory segments carry its pid
-        self.leaders: frozenset[int] = frozenset()  # ranks that push their host's sum (bps_gossip.hosts)
+        self.leaders: frozenset[int] = frozenset()  # ranks that push their host's sum (bps_gossip.host_groups)
         self.book_generation = 0  # the generation of the last address book
         self.early: collections.deque[Held] = collections.deque()
         self.early_bytes = 0

@@ -1,4 +1,4 @@
-"""Where a worker's partitions go when the job reduces by host (bps_gossip.hosts): this
+"""Where a worker's partitions go when the job reduces by host (bps_gossip.host_groups): this
 worker's place in its host group, from each address book, and what that place needs. Runs on
 the engine thread.
 
@@ -24,7 +24,7 @@ import zmq
 
 from ..config import Config
 from ..errors import BpsGossipError, PeerLostError, ProtocolError
-from ..hosts import group_of, host_groups
+from ..host_groups import group_of, host_groups
 from ..protocol import Error, Push, send
 from ..transport.sockets import SocketRole, open_socket
 from .host_reduce import HostRounds, host_route

@@ -1,4 +1,4 @@
-"""A host leader's side of one push per host (bps_gossip.hosts): the partitions the other
+"""A host leader's side of one push per host (bps_gossip.host_groups): the partitions the other
 workers of this host push to it, summed with its own before one push goes to the servers.
 
 A local worker pushes a partition to its leader's peer socket exactly as it would push to a
