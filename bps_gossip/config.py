@@ -135,6 +135,9 @@ def _float(env: Mapping[str, str], name: str, default: float, positive: bool = T
 # file when it ends (bpslaunch does too, unless it was killed).
 OWNED_SECRET_VAR = "BPS_GOSSIP_SECRET_FILE_OWNED"
 MIN_SECRET_BITS = 128
+NO_SECRET_WARNING = ("no job secret (BPS_GOSSIP_SECRET and BPS_GOSSIP_SECRET_FILE unset): sockets are plain, and "
+                     "anyone who reaches this job's ports can join it, push to it and read its results "
+                     "(bpslaunch -np makes a secret per job; see README's Security section)")
 MIN_SECRET_DISTINCT = 8  # 'abababab...' has the length but not the bits
 MAKE_A_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
 

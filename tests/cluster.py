@@ -73,7 +73,8 @@ class Cluster:
         self.workers = workers
         self.servers = servers
         self.port = free_port()
-        self.env = {**os.environ, **FAST_ENV, **(env or {})}
+        self.env = {name: value for name, value in {**os.environ, **FAST_ENV, **(env or {})}.items()
+                    if value is not None}  # None: unset
         self.env.update({
             "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
             "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(self.port),

@@ -102,3 +102,15 @@ def test_a_rejoin_with_an_infinite_generation_is_a_protocol_error():
     for generation in (float("inf"), float("nan"), 1e300, 1 << 70, -1, "3", True):
         with pytest.raises(ProtocolError, match="generation"):
             Rejoin.decode({"op": "rejoin", "generation": generation})
+
+
+@pytest.mark.timeout(60)
+def test_every_role_warns_when_the_job_has_no_secret(cluster):
+    """Issue 22, item 6: a scheduler started by hand without a secret said nothing."""
+    job = cluster(1, env={"BPS_GOSSIP_SECRET": None, "BYTEPS_FORCE_DISTRIBUTED": "1"})
+    done = job.run_workers("import bps_gossip as bps\nbps.init()\nreport(bps.rank())\nbps.shutdown()\n")
+    assert_all_ok(done, job)
+    job.wait_servers_exit()
+    assert "no job secret" in done[0].stderr
+    for proc in (job.scheduler, *job.server_procs):
+        assert "no job secret" in open(proc.err_file.name).read(), job.dump()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..config import OWNED_SECRET_VAR, Config, load_config
+from ..config import NO_SECRET_WARNING, OWNED_SECRET_VAR, Config, load_config
 from ..errors import BpsGossipError, ConfigError, ProtocolError
 from ..liveness import LocalProcess, raise_open_files_limit
 from ..logs import get_logger
@@ -72,6 +72,8 @@ class Scheduler:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("scheduler", config.log_level)
+        if config.keys is None:
+            self.log.warning(NO_SECRET_WARNING)
         self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)
         self.ctx = zmq.Context.instance()
         self.sock = open_socket(self.ctx, SocketRole.SCHEDULER, config)

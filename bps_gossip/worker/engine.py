@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..config import Config
+from ..config import NO_SECRET_WARNING, Config
 from ..errors import BpsGossipError, NotInitializedError, PeerLostError, WorkersChangedError
 from ..futures import Future, complete, fail, wait
 from ..logs import get_logger
@@ -48,6 +48,8 @@ class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("worker", config.log_level)
+        if config.keys is None:
+            self.log.warning(NO_SECRET_WARNING)
         # The routing id on every connection: servers and peers know this worker's rank by it
         # (from the address book), so it must not be guessable.
         self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex}".encode()
