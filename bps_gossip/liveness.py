@@ -11,9 +11,7 @@ process under its pid here started at that very tick.
 from __future__ import annotations
 
 import errno
-import os
 import resource
-import signal
 
 
 def start_ticks(pid: int | str = "self") -> int | None:
@@ -61,6 +59,12 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+# A line the scheduler writes on its stderr to ask the bpslaunch that started it to stop one of
+# its own workers: "<STOP_REQUEST> <pid> <start ticks>". Only the scheduler's own output stream
+# is read for it, and bpslaunch acts only on a child it started (never on a claimed pid).
+STOP_REQUEST = "bps_gossip-stop-worker"
+
+
 class LocalProcess:
     """A process that is provably on this host (see the module docstring)."""
 
@@ -89,11 +93,3 @@ class LocalProcess:
         except ValueError:
             return False
         return ticks == self.ticks and fields[0] not in (b"Z", b"X")
-
-    def kill(self) -> None:
-        """SIGKILL it, if it is provably still the same process (a stopped or stuck one too)."""
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass

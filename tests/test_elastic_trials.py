@@ -35,7 +35,10 @@ def test_fault_trial(mode, fault, rank, step):
     trial = elastic_trials.run_trial(elastic_trials.Trial(mode, fault, rank, step), timeout=180)
     assert trial.ok, f"{trial.describe()}\n{trial.output}"
     if fault in ("STOP", "STALL"):  # removed by the scheduler, not by its own death
-        assert re.search(r"is alive but (no heartbeat|stuck).*stopping it \(SIGKILL\)", trial.output), trial.output
+        assert re.search(r"is alive but (no heartbeat|stuck).*asking its launcher to stop it", trial.output), \
+            trial.output
+        assert re.search(r"stopping worker \d+ \(pid \d+, SIGKILL\): the scheduler removed it", trial.output), \
+            trial.output
 
 
 @pytest.mark.timeout(200)

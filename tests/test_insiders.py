@@ -9,9 +9,15 @@ import sys
 import time
 
 import pytest
+import zmq
 from cluster import assert_all_ok
+from test_elastic import ELASTIC_ENV
 
+from bps_gossip.config import load_config
 from bps_gossip.liveness import LocalProcess, raise_open_files_limit, start_ticks
+from bps_gossip.protocol import Register, send
+from bps_gossip.transport import recv_message
+from bps_gossip.transport.security import make_socket
 
 STEADY = '''
 import time, numpy as np, bps_gossip as bps
@@ -74,8 +80,7 @@ def test_unknown_liveness_is_not_death(monkeypatch):
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr("builtins.open", no_descriptors)
-    assert me.alive() is None  # unknown
-    me.kill()  # does nothing: only a process proven to be the same is signalled
+    assert me.alive() is None  # unknown, not dead
 
 
 def test_open_files_limit_is_raised_to_the_hard_one():
@@ -114,3 +119,38 @@ def test_every_role_warns_when_the_job_has_no_secret(cluster):
     assert "no job secret" in done[0].stderr
     for proc in (job.scheduler, *job.server_procs):
         assert "no job secret" in open(proc.err_file.name).read(), job.dump()
+
+
+@pytest.mark.timeout(90)
+def test_a_claimed_pid_gets_nobody_killed(cluster):
+    """Issue 22, item 2: a holder of the secret registered as a joining worker of an elastic job
+    with the pid and start time of another process (both world-readable) and went silent; the
+    scheduler SIGKILLed that process. It signals nobody now, and refuses a claim of a process
+    that is a member already."""
+    job = cluster(2, env={**ELASTIC_ENV, "BPS_GOSSIP_STALL_TIMEOUT": "0"})
+    victim = job.spawn(["sleep", "60"], job.env, "victim")
+    workers = job.start_workers(STEADY)
+    deadline = time.monotonic() + 30
+    while sum("READY" in open(p.out_file.name).read() for p in workers) < 2:
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    keys = load_config(job.env).keys
+    member_pid = workers[0].pid
+    answers = {}
+    for label, pid in (("victim", victim.pid), ("member", member_pid)):
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"attacker-{label}".encode())
+        sock.connect(f"tcp://127.0.0.1:{job.port}")
+        send(sock, Register(role="worker", host="127.0.0.1", pid=pid, start_ticks=start_ticks(pid),
+                            peer_addr="tcp://127.0.0.1:9", num_worker=2, num_server=1))
+        answers[label] = recv_message(sock, routed=False)[1] if sock.poll(3000) else None
+        sock.close()  # and silent from now on
+    time.sleep(4)  # past BPS_GOSSIP_HEARTBEAT_TIMEOUT (2 s): the silent joiner is lost
+    assert victim.poll() is None, job.dump()  # was SIGKILLed before the fix
+    assert answers["member"] is not None and answers["member"]["op"] == "refused", answers
+    assert "registered already" in answers["member"]["why"]
+    done = job.wait(workers, timeout=60)
+    assert_all_ok(done, job)
+    victim.kill()
+    victim.wait()

@@ -171,7 +171,8 @@ def test_below_min_np_fails_within_the_timeout(job):
     assert code == 1, out + err
     assert "the scheduler failed the job" in err, err
     assert "fewer than BPS_GOSSIP_MIN_WORKERS=2" in err and "BPS_GOSSIP_ELASTIC_TIMEOUT=3" in err, err
-    assert "is alive but no heartbeat" in err and "stopping it (SIGKILL)" in err, err
+    assert "is alive but no heartbeat" in err and "asking its launcher to stop it" in err, err
+    assert re.search(r"stopping worker \d+ \(pid \d+, SIGKILL\): the scheduler removed it", err), err
     assert elapsed < 20, elapsed  # heartbeat loss (2 s) + timeout (3 s) + stopping
     job.assert_nothing_left()
 

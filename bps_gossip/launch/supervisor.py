@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import IO
 
 from ..compat import zip_exact
+from ..liveness import STOP_REQUEST, start_ticks
 from ..transport import shm
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
@@ -160,18 +161,20 @@ class Supervisor:
                 log = open(os.path.join(self.output_dir, label.replace(" ", "") + ".log"), "ab")  # noqa: SIM115
                 child.log = log
             for pipe_in, sink, tail in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, child.tail)):
-                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail, log),
+                requests = role == "scheduler" and pipe_in is proc.stderr  # its stop requests (liveness.py)
+                thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail, log, requests),
                                           name=f"bpslaunch-{label}", daemon=True)
                 thread.start()
                 child.pumps.append(thread)
         self.children.append(child)
         return child
 
-    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes,
-              tail: collections.deque[str] | None = None, log: IO[bytes] | None = None) -> None:
+    def _pump(self, pipe: IO[bytes], sink: IO[str], prefix: bytes, tail: collections.deque[str] | None = None,
+              log: IO[bytes] | None = None, requests: bool = False) -> None:
         """Copy ``pipe`` to ``sink`` behind ``prefix``, one line at a time; a carriage return
         ends a segment too, so progress bars (tqdm redraws with '\r') stay whole and prefixed
-        instead of piling up into one garbled line."""
+        instead of piling up into one garbled line. With ``requests`` (the scheduler's stderr),
+        stop requests are acted on instead of shown."""
         out = getattr(sink, "buffer", None)
         pending = b""
         with pipe:
@@ -185,6 +188,9 @@ class Supervisor:
                 for text, end in zip_exact(segments[0::2], segments[1::2]):
                     if not text and end == b"\r":
                         continue  # a bar's leading carriage return: nothing to show yet
+                    if requests and text.startswith(STOP_REQUEST.encode()):
+                        self._stop_request(text.decode(errors="replace"))
+                        continue
                     self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)
             if pending:
                 self._emit(out, sink, prefix, pending + b"\n", tail, log)
@@ -205,6 +211,23 @@ class Supervisor:
             else:  # a text-only stream (e.g. replaced by a test harness)
                 sink.write(segment.decode(errors="replace"))
             sink.flush()
+
+    def _stop_request(self, line: str) -> None:
+        """The scheduler removed a worker that still runs (stuck or stopped): stop it, if it is
+        one this bpslaunch started and still the same process."""
+        parts = line.split()
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            return
+        pid, ticks = int(parts[1]), int(parts[2])
+        for child in self.children:
+            if child.role == "worker" and child.proc.pid == pid and child.proc.poll() is None \
+                    and start_ticks(pid) == ticks:
+                self.note(f"stopping {child.label} (pid {pid}, SIGKILL): the scheduler removed it from the job")
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
 
     def note(self, message: str) -> None:
         """Print one line of bpslaunch's own on stderr."""

@@ -16,7 +16,7 @@ import zmq
 
 from ..config import NO_SECRET_WARNING, OWNED_SECRET_VAR, Config, load_config
 from ..errors import BpsGossipError, ConfigError, ProtocolError
-from ..liveness import LocalProcess, raise_open_files_limit
+from ..liveness import STOP_REQUEST, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
 from ..membership import Membership, Node
 from ..protocol import (
@@ -128,6 +128,11 @@ class Scheduler:
                     local_rank=msg.local_rank, local_size=msg.local_size, peer_addr=msg.peer_addr,
                     host_reduce=msg.host_reduce if msg.role == "worker" else "off",
                     local=LocalProcess.find(msg.pid, msg.start_ticks))
+        twin = self._same_process(node)
+        if twin is not None:  # a pid and start time are world-readable: a claim, not a proof
+            self._refuse(uid, {}, ConfigError(f"pid {node.pid} on this host is registered already, as "
+                                              f"{twin.describe()}"))
+            return
         try:
             if not self.members.started:  # a replacement may come before the next tick sees its predecessor die
                 liveness.forget_dead_before_start(self.members, time.monotonic(), cfg.heartbeat_timeout, self.log)
@@ -246,12 +251,25 @@ class Scheduler:
                 self._remove_for_good(worker, reason)
                 self._on_gone(worker, "lost", reason)
 
+    def _same_process(self, node: Node) -> Node | None:
+        """A live member that registered with the same process of this host as ``node``."""
+        if node.local is None:
+            return None
+        for other in self.members.nodes.values():
+            if other.state in ("alive", "joining") and other.local is not None \
+                    and (other.local.pid, other.local.ticks) == (node.local.pid, node.local.ticks):
+                return other
+        return None
+
     def _remove_for_good(self, node: Node, why: str) -> None:
-        """Elastic: a worker declared lost while its process lives (stopped, stuck) is killed when
-        it runs on this host, so that it cannot come back half-way into a job that went on."""
+        """Elastic: a worker declared lost while its process lives (stopped, stuck) must not come
+        back half-way into a job that went on. The scheduler signals nobody (a pid in a registration
+        proves nothing): it asks the bpslaunch that started it, which stops the worker only if it
+        started that very process. Without bpslaunch the worker stays out of the job: every member
+        refuses it."""
         if self.config.elastic and node.role == "worker" and node.local is not None and node.local.alive():
-            self.log.warning("%s is alive but %s: stopping it (SIGKILL)", node.describe(), why)
-            node.local.kill()
+            self.log.warning("%s is alive but %s: asking its launcher to stop it", node.describe(), why)
+            print(f"{STOP_REQUEST} {node.local.pid} {node.local.ticks}", file=sys.stderr, flush=True)
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
