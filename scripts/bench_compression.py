@@ -1,6 +1,6 @@
 """Gradient compression on emulated hosts: bytes on the wire and accuracy per compressor.
 
-    sudo /tmp/venv/bin/python scripts/bench_compression.py --mbit 1000 --epochs 5 --json compression.json
+    sudo .venv/bin/python scripts/bench_compression.py --mbit 1000 --epochs 5 --json compression.json
 
 Every worker and the server run in their own network namespace (scripts/netns.py), so
 every payload crosses a link whose byte counters the kernel keeps. For each setting

@@ -4,7 +4,7 @@
     /tmp/venv/bin/python scripts/bench_push_pull.py --json push_pull.json
     /tmp/venv/bin/python scripts/bench_push_pull.py --sizes 4K,64M --configs 2w1s,2w2s
     /tmp/venv/bin/python scripts/bench_push_pull.py --curve --sizes 4K,1M,16M --configs 2w1s
-    sudo /tmp/venv/bin/python scripts/bench_push_pull.py --netns 1000 --slow worker3=100 --configs 4w1s
+    sudo .venv/bin/python scripts/bench_push_pull.py --netns 1000 --slow worker3=100 --configs 4w1s
 
 For each cluster configuration every system runs its own scheduler, servers and
 workers on 127.0.0.1, all at once; the driver then interleaves the systems pass by

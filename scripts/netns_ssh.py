@@ -2,7 +2,7 @@
 sshd (Debian's openssh-server) on its private address, with a fresh key pair for the client.
 Used to try ``bpslaunch -H`` for real on one machine (tests/test_launcher_ssh.py):
 
-    sudo python scripts/netns_ssh.py --hosts 2 -- \\
+    sudo .venv/bin/python scripts/netns_ssh.py --hosts 2 -- \\
         bpslaunch -np 4 -H {host0}:2,{host1}:2 {ssh} python examples/train_digits.py
 
 runs the command inside the first host's namespace, with ``{hostN}`` replaced by the hosts'
