@@ -154,3 +154,43 @@ def test_a_claimed_pid_gets_nobody_killed(cluster):
     assert_all_ok(done, job)
     victim.kill()
     victim.wait()
+
+
+BARRIER_FLOOD = '''
+import time, bps_gossip as bps
+from bps_gossip import api
+from bps_gossip.futures import Future
+from bps_gossip.worker import commands as cmd
+bps.init()
+if bps.rank() == 0:  # a member that asks for 200 barriers at once, each a new seq
+    engine = api._rt("test").engine
+    futures = [Future() for _ in range(200)]
+    for future in futures:
+        engine.submit(cmd.Barrier(future))
+    time.sleep(2)  # rank 1 has not come to any barrier yet
+    errors = [str(f.exception()) for f in futures if f.done() and f.exception() is not None]
+    pending = sum(1 for f in futures if not f.done())
+    deadline = time.monotonic() + 15
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report({"failed_at_once": len(errors), "pending": pending, "why": errors[:1],
+            "done_later": sum(1 for f in futures if f.done() and f.exception() is None)})
+else:
+    time.sleep(3)
+    for _ in range(16):
+        bps.barrier()
+    report({"done": 16})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(60)
+def test_a_member_cannot_open_barriers_without_end(cluster):
+    """Issue 22, item 4: 300k barrier messages of one member grew the scheduler by 107 MiB: every
+    new seq was kept until all workers came. A member now waits in at most 16 at once."""
+    job = cluster(2)
+    done = job.run_workers(BARRIER_FLOOD, timeout=40)
+    assert_all_ok(done, job)
+    flood = next(f.result for f in done if f.rank_hint == 0)
+    assert flood["failed_at_once"] == 184 and flood["pending"] == 16 and flood["done_later"] == 16, flood
+    assert "waits in 16 barriers already" in flood["why"][0]

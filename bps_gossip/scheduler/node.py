@@ -66,6 +66,9 @@ def bind_host(config: Config) -> str:
                           "0.0.0.0)") from None
 
 
+MAX_WAITS_PER_MEMBER = 16  # open barriers (and commit checks) one member may wait in
+
+
 class Scheduler:
     """The scheduler's state and its single-threaded event loop."""
 
@@ -178,11 +181,20 @@ class Scheduler:
             self._on_gone(node, "left", "shut down")
 
     # -- barriers and commit checks -----------------------------------------------
-    def _on_barrier(self, uid: bytes, msg: Barrier, _node: Node) -> None:
+    def _waits_too_often(self, uid: bytes, table: dict[int, set[bytes]], seq: int) -> bool:
+        """Whether a member already waits in MAX_WAITS_PER_MEMBER open barriers (or commit checks):
+        a worker waits in one or two; each seq it invents would be kept until everyone came."""
+        return seq not in table and sum(uid in waiting for waiting in table.values()) >= MAX_WAITS_PER_MEMBER
+
+    def _on_barrier(self, uid: bytes, msg: Barrier, node: Node) -> None:
         if self.changes.change is not None:
             return  # sent in the old generation: the worker fails it itself on 'changed'
         if self.worker_lost is not None:  # a job without its lost worker cannot meet again
             self._send(uid, BarrierFailed(seq=msg.seq, why=self.worker_lost))
+            return
+        if self._waits_too_often(uid, self.barriers, msg.seq):
+            self._send(uid, BarrierFailed(seq=msg.seq, why=f"{node.describe()} waits in {MAX_WAITS_PER_MEMBER} "
+                                                           "barriers already"))
             return
         waiting = self.barriers.setdefault(msg.seq, set())
         waiting.add(uid)
@@ -196,6 +208,8 @@ class Scheduler:
         """A commit check: a barrier whose answer (join or not) is the same for every worker."""
         if self.changes.change is not None:
             return  # the worker is told 'changed' and fails the check itself
+        if self._waits_too_often(uid, self.commits, msg.seq):
+            return  # nobody waits in sixteen commit checks: only a misbehaving member does
         waiting = self.commits.setdefault(msg.seq, set())
         waiting.add(uid)
         if {w.uid for w in self.members.workers("alive")} <= waiting:
