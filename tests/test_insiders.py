@@ -194,3 +194,50 @@ def test_a_member_cannot_open_barriers_without_end(cluster):
     flood = next(f.result for f in done if f.rank_hint == 0)
     assert flood["failed_at_once"] == 184 and flood["pending"] == 16 and flood["done_later"] == 16, flood
     assert "waits in 16 barriers already" in flood["why"][0]
+
+
+STEADY_WITH_UID = '''
+import time, numpy as np, bps_gossip as bps
+from bps_gossip import api
+bps.init()
+engine = api._rt("test").engine
+print("UID", engine.uid.hex(), engine.book.servers[0], flush=True)
+total = 0.0
+for step in range(50):
+    total += float(bps.push_pull(np.ones(4, np.float32), "x", average=False).sum())
+    time.sleep(0.12)
+report({"rank": bps.rank(), "total": total})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(90)
+def test_a_member_id_cannot_be_taken_over(cluster):
+    """Issue 22, item 3 (in part): with ROUTER_HANDOVER a new connection presenting rank 0's
+    routing id (in every member's address book) took it over: the scheduler declared the healthy
+    rank 0 lost on a 'leave, crashed' sent in its name, and a server counted a push as rank 0's.
+    A ROUTER now refuses a connection whose id is in use."""
+    import msgpack
+
+    job = cluster(2)
+    workers = job.start_workers(STEADY_WITH_UID)
+    deadline = time.monotonic() + 30
+    while "UID" not in open(workers[0].out_file.name).read():
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    time.sleep(1.0)  # rank 0 is connected to the scheduler and the server
+    _, uid_hex, server = next(line.split() for line in open(workers[0].out_file.name) if line.startswith("UID"))
+    uid, keys = bytes.fromhex(uid_hex), load_config(job.env).keys
+    for address, header in ((f"tcp://127.0.0.1:{job.port}", {"op": "leave", "crashed": True}),
+                            (server, {"op": "stats", "req": 1})):  # at a server: rank 0's replies
+        sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.IDENTITY, uid)
+        sock.connect(address)
+        sock.send_multipart([msgpack.packb(header)])
+        time.sleep(1.0)
+        sock.close()
+    done = job.wait(workers, timeout=60)
+    assert_all_ok(done, job)
+    assert {f.result["total"] for f in done} == {400.0}
+    assert "lost" not in job.dump(), job.dump()

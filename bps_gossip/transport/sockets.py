@@ -45,7 +45,6 @@ class _Spec:
     linger_ms: int
     unbounded: bool = False  # no high-water marks (see below)
     unbounded_send: bool = False  # no send high-water mark
-    handover: bool = False  # a reconnecting peer takes its routing id over at once
     needs_identity: bool = False  # the receiver knows the sender by its routing id
     max_frame: Callable[[Config], int] | None = None  # a larger frame drops the connection
 
@@ -53,11 +52,14 @@ class _Spec:
 _SPECS: dict[SocketRole, _Spec] = {
     # Only small control messages: a larger one drops its sender's connection before anything
     # is allocated for it.
-    SocketRole.SCHEDULER: _Spec(zmq.ROUTER, True, 1000, handover=True, max_frame=lambda _c: MAX_CONTROL_BYTES),
+    # No ROUTER_HANDOVER on any socket: with it, a new connection that presents a member's routing id
+    # (every member reads them in the address book) took that id over, and with it the member's
+    # rank. Without it, a ROUTER refuses a connection whose id is in use.
+    SocketRole.SCHEDULER: _Spec(zmq.ROUTER, True, 1000, max_frame=lambda _c: MAX_CONTROL_BYTES),
     # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small partitions
     # in flight would lose results and hang. Every reply answers a push, so the queue is bounded
     # by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
-    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True, handover=True,
+    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True,
                              max_frame=lambda c: max(2 * c.partition_bytes, MIN_MAX_FRAME)),
     # Lingers a moment so that a server's last message (a leave) still goes out.
     SocketRole.TO_SCHEDULER: _Spec(zmq.DEALER, False, 1000, needs_identity=True),
@@ -89,8 +91,6 @@ def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: by
         sock.setsockopt(zmq.RCVHWM, 0)
     if spec.unbounded_send:
         sock.setsockopt(zmq.SNDHWM, 0)
-    if spec.handover:
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if spec.max_frame is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, spec.max_frame(config))
     if spec.serve:
