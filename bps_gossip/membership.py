@@ -41,6 +41,9 @@ class Node:
         return f"{self.role} rank {self.rank} (pid {self.pid} on {self.host})"
 
 
+MAX_JOINING = 256  # elastic: workers waiting for the next commit to join
+
+
 class Membership:
     """The job's nodes and the address book handed out at every generation."""
 
@@ -67,6 +70,8 @@ class Membership:
             count = len(self.workers("alive")) + len(self.workers("joining"))
             if self.max_workers and count >= self.max_workers:
                 raise ConfigError(f"the job already has {count} workers, BPS_GOSSIP_MAX_WORKERS={self.max_workers}")
+            if len(self.workers("joining")) >= MAX_JOINING:  # each is kept until the next commit
+                raise ConfigError(f"{MAX_JOINING} workers wait to join already; try again after the next commit")
             node.state = "joining"
             node.seniority = (self.generation + 1, self._arrivals)
             self.nodes[node.uid] = node
@@ -146,6 +151,8 @@ class Membership:
 
         Returns the admitted workers.
         """
+        for uid in [uid for uid, node in self.nodes.items() if node.state in ("lost", "left")]:
+            del self.nodes[uid]  # gone for good: their messages are refused as strangers' from now on
         joined = self.workers("joining")
         for worker in joined:
             worker.state = "alive"

@@ -241,3 +241,36 @@ def test_a_member_id_cannot_be_taken_over(cluster):
     assert_all_ok(done, job)
     assert {f.result["total"] for f in done} == {400.0}
     assert "lost" not in job.dump(), job.dump()
+
+
+@pytest.mark.timeout(90)
+def test_joiners_waiting_are_bounded(cluster):
+    """Issue 22, item 4: an elastic scheduler accepted 3,000 fake joiners, each kept until the
+    next commit. At most 256 wait now; the others are refused with a reason."""
+    from bps_gossip.membership import MAX_JOINING
+
+    job = cluster(1, env={**ELASTIC_ENV, "BPS_GOSSIP_HEARTBEAT_TIMEOUT": "20"})
+    workers = job.start_workers(STEADY)
+    deadline = time.monotonic() + 30
+    while "READY" not in open(workers[0].out_file.name).read():
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    keys = load_config(job.env).keys
+    answers, socks = [], []
+    try:
+        for index in range(MAX_JOINING + 4):
+            sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, f"joiner-{index}".encode())
+            sock.connect(f"tcp://127.0.0.1:{job.port}")
+            socks.append(sock)
+            send(sock, Register(role="worker", host="10.9.9.9", pid=10 + index, peer_addr=f"tcp://10.9.9.9:{index + 1}",
+                                num_worker=1, num_server=1))
+            answers.append(recv_message(sock, routed=False)[1] if sock.poll(5000) else None)
+    finally:
+        for sock in socks:
+            sock.close()
+    ops = [a["op"] if a else None for a in answers]
+    assert ops[:MAX_JOINING] == ["wait"] * MAX_JOINING and ops[MAX_JOINING:] == ["refused"] * 4, ops[-8:]
+    assert "wait to join already" in answers[-1]["why"]
+    workers[0].kill()
