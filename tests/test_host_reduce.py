@@ -106,11 +106,17 @@ bps.shutdown()
 '''
 
 
+def on_two_hosts(cluster, script: str) -> list:
+    """Run ``script`` on 4 workers of two emulated hosts; every one must exit 0."""
+    job = cluster(4, 1, AUTO)
+    done = job.run_workers(script, timeout=80, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    return done
+
+
 @pytest.mark.timeout(100)
 def test_a_mismatch_inside_a_host_fails_every_rank(cluster):
-    job = cluster(4, 1, AUTO)
-    done = job.run_workers(MISMATCH, timeout=80, per_rank_env=TWO_HOSTS)
-    assert_all_ok(done, job)
+    done = on_two_hosts(cluster, MISMATCH)
     for f in done:
         error = f.result["error"]
         assert error is not None and "'bad'" in error and "(5,)" in error and "(6,)" in error, (f.rank_hint, error)
@@ -132,9 +138,7 @@ bps.shutdown()
 
 @pytest.mark.timeout(100)
 def test_compressed_tensors_are_pushed_by_every_worker(cluster):
-    job = cluster(4, 1, AUTO)
-    done = job.run_workers(COMPRESSED_AND_PLAIN, timeout=80, per_rank_env=TWO_HOSTS)
-    assert_all_ok(done, job)
+    done = on_two_hosts(cluster, COMPRESSED_AND_PLAIN)
     values = {f.result["packed"] for f in done}
     assert len(values) == 1 and abs(values.pop() - 2.5) < 1e-5
 

@@ -196,19 +196,9 @@ def test_a_member_cannot_open_barriers_without_end(cluster):
     assert "waits in 16 barriers already" in flood["why"][0]
 
 
-STEADY_WITH_UID = '''
-import time, numpy as np, bps_gossip as bps
-from bps_gossip import api
-bps.init()
+STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import api
 engine = api._rt("test").engine
-print("UID", engine.uid.hex(), engine.book.servers[0], flush=True)
-total = 0.0
-for step in range(50):
-    total += float(bps.push_pull(np.ones(4, np.float32), "x", average=False).sum())
-    time.sleep(0.12)
-report({"rank": bps.rank(), "total": total})
-bps.shutdown()
-'''
+print("UID", engine.uid.hex(), engine.book.servers[0], flush=True)""")
 
 
 @pytest.mark.timeout(90)
