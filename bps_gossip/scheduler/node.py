@@ -44,6 +44,7 @@ from ..protocol import (
 )
 from ..transport import shm
 from ..transport.receive import DropLog, drain
+from ..transport.security import FailedHandshakes
 from ..transport.sockets import SocketRole, open_socket
 from . import liveness
 from .changes import Changes, address_book
@@ -81,6 +82,7 @@ class Scheduler:
         self.ctx = zmq.Context.instance()
         self.sock = open_socket(self.ctx, SocketRole.SCHEDULER, config)
         self.sock.bind(f"tcp://{bind_host(config)}:{config.root_port}")
+        self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.log.info("listening on %s (others connect to %s)", self.endpoint, config.scheduler_address)
         self.barriers: dict[int, set[bytes]] = {}
@@ -343,7 +345,11 @@ class Scheduler:
                     # bounded: a flood of messages cannot hold off the heartbeat checks
                     drain(self.sock, True, self.handlers, self.drops, 1024)
                 self._check_heartbeats()
+                if self.knocks is not None:
+                    self.knocks.check()
         finally:
+            if self.knocks is not None:
+                self.knocks.close()
             self.sock.close(linger=1000)
 
 

@@ -35,6 +35,7 @@ from ..protocol import (
 from ..rendezvous import join
 from ..transport import bind_random_port
 from ..transport.receive import DropLog, drain
+from ..transport.security import FailedHandshakes
 from ..transport.sockets import SocketRole, open_socket
 from .pool import SumPool
 from .rounds import Rounds
@@ -53,6 +54,7 @@ class Server:
         self.ctx = zmq.Context.instance(io_threads=config.server_io_threads)
         self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
         self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
+        self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
         self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config,
                                  f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
         self.pool = SumPool(config.server_engine_threads)
@@ -155,6 +157,8 @@ class Server:
     def _beat(self, now: float) -> bool:
         """Heart-beat, expire rounds, report stalls; False once the scheduler is gone."""
         send(self.sched, Heartbeat())
+        if self.knocks is not None:
+            self.knocks.check()
         for stall in self.rounds.expire(now):
             send(self.sched, stall)
         if now - self.last_ack > self.config.heartbeat_timeout:
@@ -171,6 +175,8 @@ class Server:
         """Stop the pool and close the sockets."""
         self.pool.close()
         self.rounds.close()
+        if self.knocks is not None:
+            self.knocks.close()
         self.sock.close(linger=0)
         self.sched.close(linger=500)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import threading
+import time
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -93,6 +95,40 @@ def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) 
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
     return sock
+
+
+class FailedHandshakes:
+    """Counts the connections to a bound socket that fail their secure handshake (a process
+    without the job's secret, or with another one) and logs them, at most once per
+    ``every`` seconds with the count since the last line: a guesser cannot flood the log, and a
+    job's owner sees that someone knocks. Call :meth:`check` from the socket's own loop."""
+
+    def __init__(self, sock: zmq.Socket, log: logging.Logger, every: float = 10.0) -> None:
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.log = log
+        self.every = every
+        self.count = 0  # since the last line
+        self.total = 0
+        self._next = 0.0
+
+    def check(self) -> None:
+        """Read what happened (non-blocking); log when it is time."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            self.count += 1
+            self.total += 1
+            endpoint = event.get("endpoint", b"").decode(errors="replace")
+            now = time.monotonic()
+            if now >= self._next:
+                self.log.warning("%d connection(s) to %s failed the secure handshake in the last %.0f s "
+                                 "(%d in all): a process without this job's secret, or with another one",
+                                 self.count, endpoint, self.every, self.total)
+                self.count = 0
+                self._next = now + self.every
+
+    def close(self) -> None:
+        """Stop counting."""
+        self.monitor.close(linger=0)
 
 
 class HandshakeWatch:
