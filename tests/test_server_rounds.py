@@ -110,3 +110,16 @@ def test_malformed_push_is_answered_with_its_req(rig):
 def test_every_small_push_is_summed_inline():
     from bps_gossip.aggregation import SMALL_PUSH_BYTES
     assert INLINE_BYTES >= SMALL_PUSH_BYTES  # no hop to the pool and back for what workers send unacknowledged
+
+
+def test_shared_memory_pushes_have_the_frame_limit(rig):
+    """Issue 22, item 4: four header-only shared-memory pushes naming huge regions grew a server
+    by 640 MiB: shared memory bypassed the frame limit. Refused now, before anything is mapped."""
+    rounds, _, replies = rig
+    rounds.take_book(book(2))
+    huge = Push(req=7, gen=1, key=1, part=0, seq=0, name="t", count=1 << 28, wire="<f4", dtype="float32",
+                shape=[1 << 28], kind="sum", ack=True, shm="bpsg_1_100_abcdef", offset=0)
+    rounds.on_push(UIDS[0], huge, [])
+    (_, error, _), = replies
+    assert isinstance(error, Error) and "more than the servers take" in error.why
+    assert rounds.rounds == {} and not rounds.segments._segments

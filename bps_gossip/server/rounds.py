@@ -26,6 +26,7 @@ from ..errors import ProtocolError
 from ..host_groups import host_groups
 from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..transport.shm import AttachedSegments, owner_pid
+from ..transport.sockets import server_frame_limit
 from .pool import SumPool
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
@@ -178,7 +179,12 @@ class Rounds:
         return who, payload, codec
 
     def _region(self, rank: int, push: Push) -> np.ndarray:
-        """The region of worker ``rank``'s own shared-memory segment named in its push."""
+        """The region of worker ``rank``'s own shared-memory segment named in its push, within the
+        limit a frame has (shared memory must not be a way around it)."""
+        limit = server_frame_limit(self.config)
+        if push.nbytes > limit:
+            raise ProtocolError(f"rank {rank} pushed {push.nbytes} bytes through shared memory, more than the "
+                                f"servers take ({limit})")
         if owner_pid(push.shm) != self.pids[rank]:
             raise ProtocolError(f"rank {rank} named segment {push.shm!r}, which is not its own")
         return self.segments.view(push.shm, push.wire, push.count, push.offset)

@@ -59,8 +59,7 @@ _SPECS: dict[SocketRole, _Spec] = {
     # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small partitions
     # in flight would lose results and hang. Every reply answers a push, so the queue is bounded
     # by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
-    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True,
-                             max_frame=lambda c: max(2 * c.partition_bytes, MIN_MAX_FRAME)),
+    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True, max_frame=lambda c: server_frame_limit(c)),
     # Lingers a moment so that a server's last message (a leave) still goes out.
     SocketRole.TO_SCHEDULER: _Spec(zmq.DEALER, False, 1000, needs_identity=True),
     # No high-water mark: a full queue would block the worker's engine thread (no heartbeats,
@@ -74,6 +73,11 @@ _SPECS: dict[SocketRole, _Spec] = {
     # Lingers so that the last gossip round reaches its peers after shutdown.
     SocketRole.TO_PEER: _Spec(zmq.DEALER, False, 2000, needs_identity=True),
 }
+
+
+def server_frame_limit(config: Config) -> int:
+    """The largest payload a server takes, as a frame or in shared memory."""
+    return max(2 * config.partition_bytes, MIN_MAX_FRAME)
 
 
 def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: bytes | None = None) -> zmq.Socket:
