@@ -13,10 +13,10 @@ from bps_gossip import protocol as p
 from bps_gossip.errors import ProtocolError
 
 ENTRY = p.BookEntry(rank=0, uid="ab" * 8, addr="tcp://127.0.0.1:5000", host="127.0.0.1", pid=11,
-                    local_rank=0, local_size=1)
+                    local_rank=0, local_size=1, host_reduce="auto")
 SAMPLES: list[p.Message] = [  # one of every op, every optional field set
     p.Register(role="worker", addr="tcp://h:1", host="h", pid=12, start_ticks=99, worker_id=0, local_rank=1,
-               local_size=2, peer_addr="tcp://h:2", num_worker=1, num_server=1),
+               local_size=2, peer_addr="tcp://h:2", num_worker=1, num_server=1, host_reduce="on"),
     p.Heartbeat(), p.HbAck(), p.Leave(crashed=True), p.Bye(), p.Refused(why="no"), p.Wait(why="later"),
     p.AddressBook(rank=0, generation=3, servers=["tcp://s:1"], workers=[ENTRY], restore=True),
     p.Barrier(seq=4), p.BarrierDone(seq=4), p.BarrierFailed(seq=4, why="lost"), p.Commit(seq=5),
@@ -27,9 +27,9 @@ SAMPLES: list[p.Message] = [  # one of every op, every optional field set
     p.NodeLeft(role="server", rank=-1, pid=8, host="h", why="done"),
     p.JobFailed(why="too few"), p.JobOver(why="finished"), p.Terminate(why="all gone"),
     p.Push(req=1, gen=1, key=9, part=0, seq=3, name="w", count=4, wire="<f4", dtype="float32", shape=[2, 2],
-           kind="sum", ack=False, shm="bpsg-1-2-3", offset=16),
+           kind="sum", ack=False, shm="bpsg-1-2-3", offset=16, hosted=True),
     p.Ack(req=1), p.Result(req=1, shm=True), p.Error(req=1, kind="lost", why="gone"),
-    p.Stats(req=2, rank=0, parts={"9": [0, 1]}, rounds_done=3, open_rounds=0),
+    p.Stats(req=2, rank=0, parts={"9": [0, 1]}, rounds_done=3, open_rounds=0, pushes=[4, 0], socket_bytes=64),
     p.Gossip(tag="sgp", round=7, dtypes=["<f4"], counts=[3], gen=1, keys=["w"], weight=0.5, shm="seg",
              offsets=[0]),
     p.GossipAck(shm="seg", gen=1),

@@ -26,6 +26,7 @@ from .base import (
     strings,
     text,
 )
+from .control import MAX_NODES
 
 MAX_GENERATION = 1 << 40
 MAX_ELEMENTS = 1 << 40
@@ -162,7 +163,7 @@ class Stats(Message):
     parts: dict[str, list[int]] | None = custom(_parts, None)
     rounds_done: int | None = optional_integer()
     open_rounds: int | None = optional_integer()
-    pushes: list[int] | None = integers(MAX_RANK + 1, 0, fields.MAX_INT, optional=True)  # by rank
+    pushes: list[int] | None = integers(MAX_NODES, 0, fields.MAX_INT, optional=True)  # by rank of the book
     socket_bytes: int | None = optional_integer()
 
     def reply(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ Pushes that reach a leader before its address book of their generation are held 
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from typing import Any, Callable
 
@@ -47,10 +46,11 @@ class Way(enum.Enum):
 class HostLink:
     """This worker's host group and the means to reduce in it (see the module docstring)."""
 
-    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
+    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, pending: set[Operation],
                  push: Callable[[Operation, int], None], fail: Callable[[Operation, BpsGossipError], None],
                  poison: Callable[..., None]) -> None:
-        self.ctx, self.config, self.uid, self.log = ctx, config, uid, log
+        self.ctx, self.config, self.uid = ctx, config, uid
+        self.pending = pending  # the server links' operations in flight (the same set, never replaced)
         self.push, self.fail, self.poison = push, fail, poison
         self.hosting = False  # the job reduces by host
         self.leader = -1  # this worker's host leader
@@ -62,7 +62,6 @@ class HostLink:
         self._early: list[tuple[float, bytes, Push]] = []
         self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
         self.leader_left = 0.0  # when this local's leader left gracefully (0: it did not)
-        self._pending: set[Operation] = set()
 
     def connect(self, book: Book) -> bool:
         """Take a new address book; True if the sockets to poll changed."""
@@ -121,7 +120,7 @@ class HostLink:
                                 f"{self.generation}")
 
     # -- failures and deadlines ------------------------------------------------------
-    def worker_gone(self, rank: int, lost: bool, why: str, pending: set[Operation]) -> None:
+    def worker_gone(self, rank: int, lost: bool, why: str) -> None:
         """A worker was lost or left: a local fails what waits on its leader (and refuses new
         work in a job that is not elastic: no round can complete), a leader the rounds that wait
         on it. A leader that left gracefully sent the results it had first: they get a moment."""
@@ -129,14 +128,13 @@ class HostLink:
         if self.rounds is not None:
             self.rounds.worker_gone(rank, why)
         elif self.sock is not None and rank == self.leader:
-            self._pending = pending
             if lost:
                 self._fail_leader_waits()
             else:
                 self.leader_left = time.monotonic()
 
     def _fail_leader_waits(self) -> None:
-        for op in list(self._pending):
+        for op in list(self.pending):
             if self.way(op) is Way.TO_LEADER:
                 self.fail(op, self.refusal(op))
 

@@ -47,13 +47,11 @@ HostRoundId = tuple  # (generation, key, partition, round)
 
 @dataclasses.dataclass(eq=False)
 class LocalPush:
-    """One local worker's partition: who it is, the request to answer, its region."""
+    """One local worker's partition: the connection and request to answer, its region."""
 
-    rank: int
-    route: bytes
+    route: bytes  # emptied once the local was answered
     req: int
     region: np.ndarray
-    ack: bool
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,7 +127,7 @@ class HostRounds:
                                      why=f"tensor {push.name!r}: rank {rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice"))
             return
-        rnd.locals[rank] = LocalPush(rank, route, push.req, region, push.ack)
+        rnd.locals[rank] = LocalPush(route, push.req, region)
         if push.ack and rnd.error is None:
             self._reply(route, Ack(req=push.req))
         self._agree(rnd, rank, (push.signature, push.wire, push.count))

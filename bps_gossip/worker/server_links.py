@@ -69,7 +69,7 @@ class ServerLinks:
         self._stats: dict[int, tuple[Future, list[Any]]] = {}
         self._lost: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index (or LEADER) -> when it last sent anything
-        self.hosts = HostLink(ctx, config, uid, log, self._push_hosted, self.fail_op, self._poison)
+        self.hosts = HostLink(ctx, config, uid, self.pending, self._push_hosted, self.fail_op, self._poison)
         self._leader_table = self._table(LEADER)
 
     # -- connections ----------------------------------------------------------------
@@ -350,7 +350,7 @@ class ServerLinks:
 
     def worker_gone(self, rank: int, lost: bool, why: str) -> None:
         """A worker was lost or left: what waits on it through this host fails."""
-        self.hosts.worker_gone(rank, lost, why, self.pending)
+        self.hosts.worker_gone(rank, lost, why)
 
     def check_deadlines(self, now: float) -> None:
         """Fail operations whose servers (or host leader) said nothing for too long."""
