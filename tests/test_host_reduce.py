@@ -89,11 +89,13 @@ def test_collectives_bit_exact_by_host(cluster, servers, env):
 
 
 MISMATCH = '''
-import numpy as np, bps_gossip as bps
+import time, numpy as np, bps_gossip as bps
 from bps_gossip.errors import TensorMismatchError
 bps.init()
 rank = bps.rank()
 shape = (5,) if rank != 1 else (6,)  # rank 1 is a local of leader 0
+if rank == 0 and LEADER_LATE:  # the leader's round then starts from its local's signature
+    time.sleep(0.5)
 try:
     bps.push_pull(np.ones(shape, np.float32), "bad", average=False)
     report({"rank": rank, "error": None})
@@ -115,8 +117,9 @@ def on_two_hosts(cluster, script: str) -> list:
 
 
 @pytest.mark.timeout(100)
-def test_a_mismatch_inside_a_host_fails_every_rank(cluster):
-    done = on_two_hosts(cluster, MISMATCH)
+@pytest.mark.parametrize("leader_late", [False, True], ids=["leader-first", "local-first"])
+def test_a_mismatch_inside_a_host_fails_every_rank(cluster, leader_late):
+    done = on_two_hosts(cluster, f"LEADER_LATE = {leader_late}\n" + MISMATCH)
     for f in done:
         error = f.result["error"]
         assert error is not None and "'bad'" in error and "(5,)" in error and "(6,)" in error, (f.rank_hint, error)

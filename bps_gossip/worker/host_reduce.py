@@ -170,7 +170,9 @@ class HostRounds:
                f"pushed {describe_signature(sig[0])}; every rank must push the same shape, dtype and operation")
         if not rnd.sent:  # the other hosts' ranks must hear it too, not wait for this host's sum
             rnd.sent = True
-            self.poison(rnd.rid, rnd.name, sig[0], f"ranks {rnd.first} and {rank} disagree")
+            # Both signatures in the text: the other hosts' ranks learn what this host's disagree on.
+            self.poison(rnd.rid, rnd.name, sig[0], f"rank {rnd.first} pushed {describe_signature(rnd.sig[0])}, "
+                                                   f"rank {rank} {describe_signature(sig[0])}")
         self._fail(rnd, "mismatch", why)
 
     def _advance(self, rnd: HostRound) -> None:
