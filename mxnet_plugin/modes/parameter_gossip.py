@@ -27,7 +27,7 @@ from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.choco import ChocoAverager
 
-from ..layouts import idle_view
+from ..layouts import IdleViews
 from .options import GossipOptions
 
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
@@ -56,6 +56,7 @@ class ParameterGossip:
         self.averager: GossipAverager | None = None
         self.layout: dict[str, list[tuple[mx.gluon.Parameter, int, int]]] = {}
         self.written: dict[str, np.ndarray] | None = None  # what the last unpack() wrote (z)
+        self.views = IdleViews()  # of every parameter copy, read and written every step
         _live.add(self)
 
     def _build_layout(self) -> None:
@@ -106,7 +107,7 @@ class ParameterGossip:
             else:
                 flat = np.empty(sum(size for _, _, size in entries), dtype=np.dtype(key))
             for param, offset, size in entries:
-                np.copyto(flat[offset:offset + size], idle_view(param.list_data()[0]).reshape(-1))
+                np.copyto(flat[offset:offset + size], self.views.flat((param, 0), param.list_data()[0]))
             buffers[key] = flat
         return buffers
 
@@ -118,9 +119,9 @@ class ParameterGossip:
         for key, entries in self.layout.items():
             flat = buffers[key]
             for param, offset, size in entries:
-                value = flat[offset:offset + size].reshape(param.shape)
-                for copy in param.list_data():
-                    np.copyto(idle_view(copy), value)
+                value = flat[offset:offset + size]
+                for index, copy in enumerate(param.list_data()):
+                    np.copyto(self.views.flat((param, index), copy), value)
 
     def after_update(self, before: dict[str, np.ndarray]) -> None:
         """The optimizer moved the parameters from ``before``: gossip, then write z back.
