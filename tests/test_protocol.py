@@ -134,11 +134,21 @@ def test_register_rules_between_fields(header):
 @pytest.mark.parametrize("change", [
     {"wire": "object"}, {"wire": "<U4"}, {"wire": "no such dtype"}, {"shm": "seg", "offset": None},
     {"codec": {"name": "onebit"}, "wire": "<f4"}, {"codec": "onebit"},
+    # a codec map is bounded before anything holds it: entries, key and text lengths, scalar values
+    *({"codec": codec, "wire": "|u1", "hosted": False} for codec in (
+        {f"k{i}": 1 for i in range(17)}, {"k" * 65: 1}, {"name": "x" * 65}, {"n": [1] * 1000}, {"n": {"deep": 1}},
+        {1: 1})),
 ])
 def test_push_rules_between_fields(change):
     header = {**SAMPLES[22].encode(), "shm": None, "offset": None, **change}
     with pytest.raises(ProtocolError, match="push"):
         p.Push.decode({k: v for k, v in header.items() if v is not None or k in change})
+
+
+def test_a_bounded_codec_map_decodes():
+    header = {**SAMPLES[22].encode(), "shm": None, "offset": None, "hosted": False, "wire": "|u1",
+              "codec": {"name": "onebit", "n": 4, "seed": None, "ef": True, "scaling": False}}
+    assert p.Push.decode({k: v for k, v in header.items() if v is not None}).codec["name"] == "onebit"
 
 
 def test_push_payload_must_match_its_count():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import select
 
 import numpy as np
@@ -98,6 +99,25 @@ def test_strangers_twice_and_early_pushes(rig):
     rounds.on_push(*push(1, np.ones(4, np.float32), gen=0))
     kinds = [(msg.kind, msg.why) for _, msg, _ in replies]
     assert "twice" in kinds[0][1] and "no worker" in kinds[1][1] and kinds[2][0] == "changed"
+
+
+def test_early_pushes_count_their_headers(rig, monkeypatch):
+    """Header-only pushes for a generation this server has no book of yet: what holding them
+    costs is bounded by their headers too, not only their payloads (a stranger with the secret
+    held 16,384 of them with 2 KiB of text each)."""
+    import bps_gossip.server.rounds as module
+
+    monkeypatch.setattr(module, "MAX_EARLY_BYTES", 64 * 1024)
+    rounds, _, replies = rig
+    empty = np.ones(0, np.float32)
+    for seq in range(100):
+        route, msg, frames = push(0, empty, seq=seq, gen=2, name="n" * 1024)
+        rounds.on_push(route, dataclasses.replace(msg, kind="k" * 1024), frames)
+    held = len(rounds.early)
+    assert 0 < held < 20 and rounds.early_bytes <= 64 * 1024, (held, rounds.early_bytes)
+    assert len(replies) == 100 - held and all("holds" in msg.why for _, msg, _ in replies)
+    rounds.expire(rounds.early[0][0] + rounds.config.timeout + 1)  # what expires gives its bytes back
+    assert not rounds.early and rounds.early_bytes == 0
 
 
 def test_malformed_push_is_answered_with_its_req(rig):

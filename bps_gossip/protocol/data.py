@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import fields
+from ..compression.pipeline import MAX_HEADER_FIELDS as MAX_CODEC_ENTRIES
 from ..errors import ProtocolError
 from .base import (
     MAX_RANK,
@@ -38,6 +39,13 @@ _KNOWN_DTYPES = {np.dtype(t).str: np.dtype(t) for t in
                  ("float16", "float32", "float64", "uint8", "uint16", "uint32", "uint64", "int8", "int32", "int64")}
 
 
+def held_bytes(push: Push) -> int:
+    """What holding a push's header costs in memory, at most (its payload not counted)."""
+    texts = len(push.name) + len(push.kind) + len(push.shm or "") + len(push.wire) + len(push.dtype)
+    codec = 2 * MAX_CODEC_TEXT * MAX_CODEC_ENTRIES if push.codec is not None else 0
+    return HEADER_BYTES + 4 * texts + 8 * len(push.shape) + codec  # 4: a character's worst case
+
+
 def wire_dtype(name: str, what: str = "wire dtype") -> np.dtype:
     """The numpy dtype a message names, if it is one tensors travel as (float, int, uint, bool)."""
     dtype = _KNOWN_DTYPES.get(name)  # every push names one: parsing it each time costs ~3 us
@@ -52,11 +60,28 @@ def wire_dtype(name: str, what: str = "wire dtype") -> np.dtype:
     return dtype
 
 
+MAX_CODEC_TEXT = 64  # characters of a codec map's key or text value
+HEADER_BYTES = 512  # what a push's header costs to hold beyond its texts and shape (a bound)
+
+
 def _codec_spec(msg: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    """The codec map, bounded in size before anything holds it: short text keys, scalar values.
+    Its fields are read by compression.codec_from_header, which builds the codec."""
     spec = msg.get(key)
-    if spec is not None and not isinstance(spec, dict):
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
         raise ProtocolError(f"field {key!r} must be a map")
-    return spec  # its fields are read by compression.codec_from_header, which builds the codec
+    if len(spec) > MAX_CODEC_ENTRIES:
+        raise ProtocolError(f"field {key!r} has {len(spec)} entries, more than {MAX_CODEC_ENTRIES}")
+    for name, value in spec.items():
+        if not isinstance(name, str) or len(name) > MAX_CODEC_TEXT:
+            raise ProtocolError(f"field {key!r}: its keys must be texts of at most {MAX_CODEC_TEXT} characters")
+        if isinstance(value, str) and len(value) > MAX_CODEC_TEXT:
+            raise ProtocolError(f"field {key!r}.{name}: a text of {len(value)} characters, more than {MAX_CODEC_TEXT}")
+        if value is not None and not isinstance(value, (str, bool, int, float)):
+            raise ProtocolError(f"field {key!r}.{name} must be a number, flag or text")
+    return spec
 
 
 @message(Op.PUSH)

@@ -25,6 +25,7 @@ from ..config import Config
 from ..errors import ProtocolError
 from ..host_groups import host_groups
 from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
+from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments, owner_pid
 from ..transport.sockets import server_frame_limit
 from .pool import SumPool
@@ -37,7 +38,7 @@ MAX_EARLY_BYTES = 512 << 20
 INLINE_BYTES = 256 * 1024
 
 Reply = Callable[[Contribution, Message, Tuple[Any, ...]], None]
-Held = Tuple[float, bytes, Push, list]  # (since, route, push, frames)
+Held = Tuple[float, bytes, Push, list, int]  # (since, route, push, frames, bytes held: header and payload)
 
 
 class Rounds:
@@ -80,7 +81,7 @@ class Rounds:
         self.book_generation = book.generation
         self.new_generation(book.generation, "a new generation began")
         early, self.early, self.early_bytes = self.early, collections.deque(), 0
-        for _, route, push, frames in early:
+        for _, route, push, frames, _ in early:
             self.on_push(route, push, frames)
 
     def new_generation(self, generation: int, why: str) -> None:
@@ -141,13 +142,13 @@ class Rounds:
 
     def _hold(self, route: bytes, push: Push, frames: list) -> None:
         """Keep a push until the address book of its generation arrives (bounded)."""
-        nbytes = sum(len(frame) for frame in frames)
+        nbytes = held_bytes(push) + sum(len(frame) for frame in frames)  # headers too: they can be most of it
         if len(self.early) >= MAX_EARLY_PUSHES or self.early_bytes + nbytes > MAX_EARLY_BYTES:
             self._error(Contribution(-1, route, push.req), "protocol",
                         f"server {self.addr} holds {len(self.early)} pushes ({self.early_bytes} bytes) for "
                         f"generations whose address book it has not received; generation {push.gen} push dropped")
             return
-        self.early.append((time.monotonic(), route, push, frames))
+        self.early.append((time.monotonic(), route, push, frames, nbytes))
         self.early_bytes += nbytes
 
     def _check(self, route: bytes, push: Push, frames: list) -> tuple[Contribution, Any, Any] | None:
@@ -290,8 +291,8 @@ class Rounds:
         """Fail what waited past BPS_GOSSIP_TIMEOUT; return the stalls to report (elastic)."""
         timeout = self.config.timeout
         while self.early and now - self.early[0][0] > timeout:
-            _, route, push, frames = self.early.popleft()
-            self.early_bytes -= sum(len(frame) for frame in frames)
+            _, route, push, _, nbytes = self.early.popleft()
+            self.early_bytes -= nbytes
             self._error(Contribution(-1, route, push.req), "timeout",
                         f"server {self.addr}: no address book of generation {push.gen} within "
                         f"{timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
