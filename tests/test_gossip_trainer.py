@@ -75,6 +75,48 @@ def test_trainer_mean_follows_sgd_and_average_parameters(cluster, overlap):
 
 
 @pytest.mark.timeout(120)
+def test_large_parameters_are_mixed_in_their_own_memory(cluster):
+    """A weight of 66,000 elements is mixed in the parameter's own memory (small ones as flat
+    copies): with 2 workers every round is the exact average, so after each step both ranks hold
+    the same bits in every device copy, and not what local SGD alone would give."""
+    job = cluster(2)
+    done = job.run_workers("""
+        import mxnet as mx, numpy as np, mxnet_plugin as bps
+        from mxnet_plugin.modes.parameter_gossip import IN_PLACE_ELEMENTS
+        bps.init()
+        rank = bps.rank()
+        devices = [mx.cpu(0), mx.cpu(1)]
+        net = mx.gluon.nn.Dense(22000, in_units=3)
+        assert 22000 * 3 >= IN_PLACE_ELEMENTS > 22000
+        net.initialize(mx.init.Constant(0.5), ctx=devices)
+        trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        x = mx.nd.full((1, 3), rank + 1.0)
+        digests = []
+        for step in range(4):
+            with mx.autograd.record():
+                losses = [net(x.as_in_context(d)).sum() for d in devices]
+            mx.autograd.backward(losses)
+            trainer.step(1)
+            weights = [w.asnumpy() for w in net.weight.list_data()]
+            biases = [b.asnumpy() for b in net.bias.list_data()]
+            assert all(np.array_equal(w, weights[0]) for w in weights), "device copies differ"
+            assert all(np.array_equal(b, biases[0]) for b in biases), "device copies differ"
+            digests.append([weights[0].tobytes().hex()[:64], float(weights[0].min()), float(weights[0].max()),
+                            float(biases[0][0])])
+        assert trainer._mode.gossip.direct and [k for k, _ in trainer._mode.gossip.large] == ["1"]
+        report(digests)
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    first, second = (f.result for f in done)
+    assert first == second  # the same bits on both ranks, step after step
+    # local SGD alone would move rank r's weight by 0.1 * (r + 1) a step; the average moves it by 0.15
+    assert [step[1] for step in first] == pytest.approx([0.5 - 0.15 * (s + 1) for s in range(4)], abs=1e-6)
+    assert all(step[1] == step[2] for step in first)  # every element alike: the whole array was mixed
+    assert [step[3] for step in first] == pytest.approx([-0.1 * (s + 1) for s in range(4)], abs=1e-6)  # bias from 0
+
+
+@pytest.mark.timeout(120)
 def test_gossip_trainer_bad_arguments(cluster):
     job = cluster(1, start_servers=False)
     done = job.run_workers("""

@@ -49,6 +49,27 @@ class GossipAverager:
         self.open: collections.deque[PendingRound] = collections.deque()
 
     @staticmethod
+    def model_is_x(graph: Graph, push_sum: bool, overlap: bool) -> bool:
+        """Whether z = x at every step for these arguments: w stays 1 (a regular graph, or
+        push-pull) and no round stays open. Then x may be the model's own memory
+        (:meth:`use_buffers`)."""
+        return not overlap and (graph.is_regular or not push_sum)
+
+    def use_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
+        """From now on x is ``buffers`` themselves, not a copy (the same keys, sizes and dtypes,
+        one-dimensional): the model's own memory, mixed in place. Only where
+        :meth:`model_is_x` holds, since z = x / w is then x."""
+        if self.weight != 1.0 or self.open or list(buffers) != list(self.x):
+            raise ValueError("gossip: x can be the model's memory only while w is 1 and no round is open, "
+                             "with the same keys")
+        for key, value in buffers.items():
+            held = self.x[key]
+            if value.ndim != 1 or value.size != held.size or value.dtype != held.dtype:
+                raise ValueError(f"gossip: buffer {key!r} is {value.dtype} {value.shape}, x is {held.dtype} "
+                                 f"{held.shape}")
+        self.x = dict(buffers)
+
+    @staticmethod
     def check_arguments(size: int, graph: str | Graph, peers_per_itr: int, push_sum: bool, overlap: bool,
                         synch_freq: int) -> Graph:
         """Validate the arguments (ValueError naming the bad one); return the graph."""

@@ -18,6 +18,7 @@ which forward passes move, are gossiped with the weights like that, and
 from __future__ import annotations
 
 import weakref
+from typing import Dict, List, Tuple
 
 import mxnet as mx
 import numpy as np
@@ -26,11 +27,26 @@ import bps_gossip as core
 from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.choco import ChocoAverager
+from bps_gossip.protocol.data import MAX_ARRAYS
 
 from ..layouts import IdleViews
 from .options import GossipOptions
 
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
+
+Layout = Dict[str, List[Tuple[mx.gluon.Parameter, int, int]]]  # dtype -> (parameter, offset, size) in its flat buffer
+IN_PLACE_ELEMENTS = 1 << 16  # smaller parameters are mixed as flat copies: a view per array costs more
+
+
+def _flat_layout(params: list[tuple[mx.gluon.Parameter, int]]) -> Layout:
+    """(parameter, size) pairs placed one after another in one flat buffer per dtype."""
+    layout: Layout = {}
+    offsets: dict[str, int] = {}
+    for param, size in params:
+        key = np.dtype(param.dtype).name
+        layout.setdefault(key, []).append((param, offsets.get(key, 0), size))
+        offsets[key] = offsets.get(key, 0) + size
+    return layout
 
 
 def flush_all() -> None:
@@ -53,22 +69,48 @@ class ParameterGossip:
         self.graph_spec = averager_args["graph"]  # a name can be rebuilt for another size (elastic)
         averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
         self.averager_args = averager_args
+        self.direct = self._mixes_in_place()
         self.averager: GossipAverager | None = None
-        self.layout: dict[str, list[tuple[mx.gluon.Parameter, int, int]]] = {}
+        self.layout: Layout = {}  # every gossiped parameter, by dtype
+        self.large: list[tuple[str, mx.gluon.Parameter]] = []  # mixed in their own memory (direct)
+        self.small_layout: Layout = {}  # mixed as flat copies (direct)
         self.written: dict[str, np.ndarray] | None = None  # what the last unpack() wrote (z)
         self.views = IdleViews()  # of every parameter copy, read and written every step
         _live.add(self)
 
+    def _mixes_in_place(self) -> bool:
+        """Whether the averager's x can be the parameters' own memory (no copies in or out):
+        uncompressed, w always 1 and no round left open, few enough arrays for one message."""
+        args = self.averager_args
+        floats = [param for param in self.params if np.dtype(param.dtype).kind == "f"]
+        return (self.compression is None and 0 < len(floats) <= MAX_ARRAYS
+                and GossipAverager.model_is_x(args["graph"], args["push_sum"], args["overlap"]))
+
+    def _mix_in_place(self) -> None:
+        """One round with x = the large parameters' own memory and flat copies of the small ones
+        (a view per array costs more than copying a small one), then the copies are written back
+        and the other device copies of the large ones follow their first."""
+        if not self.layout:
+            self._build_layout()
+        mx.nd.waitall()  # the update has landed; nothing in MXNet's engine touches the parameters now
+        x = self._copy_out(self.small_layout, self.averager.x if self.averager is not None else None)
+        x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
+        if self.averager is None:  # after the first-step broadcast: every rank starts equal
+            self.averager = self._new_averager(x, start_equal=True)
+        self.averager.use_buffers(x)
+        self.averager.step()
+        self._copy_in(self.small_layout, x)
+        for key, param in self.large:
+            copies = param.list_data()
+            for index, copy in enumerate(copies[1:], 1):
+                np.copyto(self.views.flat((param, index), copy), x[key])
+
     def _build_layout(self) -> None:
-        offsets: dict[str, int] = {}
-        for param in self.params:
-            dtype = np.dtype(param.dtype)
-            if dtype.kind != "f":
-                continue
-            key = dtype.name
-            size = int(np.prod(param.shape))
-            self.layout.setdefault(key, []).append((param, offsets.get(key, 0), size))
-            offsets[key] = offsets.get(key, 0) + size
+        floats = [(param, int(np.prod(param.shape))) for param in self.params if np.dtype(param.dtype).kind == "f"]
+        self.layout = _flat_layout(floats)
+        if self.direct:
+            self.large = [(str(index), param) for index, (param, size) in enumerate(floats) if size >= IN_PLACE_ELEMENTS]
+            self.small_layout = _flat_layout([(param, size) for param, size in floats if size < IN_PLACE_ELEMENTS])
 
     def reset_world(self) -> None:
         """Elastic: drop the averager (its rounds died with the old generation); the next step
@@ -78,15 +120,19 @@ class ParameterGossip:
                              f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
         args = {**self.averager_args, "graph": self.graph_spec}
         self.averager_args["graph"] = GossipAverager.check_arguments(core.size(), **args)
+        self.direct = self._mixes_in_place()
         self.averager = None
         self.written = None
 
-    def values_before_update(self) -> dict[str, np.ndarray]:
-        """The parameters as the last mix left them (z), or as they are now before the first.
+    def values_before_update(self) -> dict[str, np.ndarray] | None:
+        """The parameters as the last mix left them (z), or as they are now before the first;
+        None when the mix works on the parameters' own memory (nothing to measure from).
 
         Forward passes since then moved only statistics (BatchNorm's running mean and
         variance): measured from z, their change is part of this step's displacement.
         """
+        if self.direct:
+            return None
         return self.written if self.written is not None else self.pack()
 
     def pack(self, into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -100,8 +146,18 @@ class ParameterGossip:
         if not self.layout:
             self._build_layout()
         mx.nd.waitall()  # the update has landed; nothing in MXNet's engine touches the parameters now
+        return self._copy_out(self.layout, into)
+
+    def unpack(self, buffers: dict[str, np.ndarray]) -> None:
+        """Write flat buffers back into every device copy of every parameter (one wait for
+        MXNet's engine, then plain copies, as in :meth:`pack`)."""
+        self.written = buffers
+        mx.nd.waitall()  # nobody reads or writes the parameters in MXNet's engine while we write
+        self._copy_in(self.layout, buffers)
+
+    def _copy_out(self, layout: Layout, into: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         buffers = {}
-        for key, entries in self.layout.items():
+        for key, entries in layout.items():
             if into is not None:
                 flat = into[key]
             else:
@@ -111,24 +167,26 @@ class ParameterGossip:
             buffers[key] = flat
         return buffers
 
-    def unpack(self, buffers: dict[str, np.ndarray]) -> None:
-        """Write flat buffers back into every device copy of every parameter (one wait for
-        MXNet's engine, then plain copies, as in :meth:`pack`)."""
-        self.written = buffers
-        mx.nd.waitall()  # nobody reads or writes the parameters in MXNet's engine while we write
-        for key, entries in self.layout.items():
+    def _copy_in(self, layout: Layout, buffers: dict[str, np.ndarray]) -> None:
+        for key, entries in layout.items():
             flat = buffers[key]
             for param, offset, size in entries:
                 value = flat[offset:offset + size]
                 for index, copy in enumerate(param.list_data()):
                     np.copyto(self.views.flat((param, index), copy), value)
 
-    def after_update(self, before: dict[str, np.ndarray]) -> None:
+    def after_update(self, before: dict[str, np.ndarray] | None) -> None:
         """The optimizer moved the parameters from ``before``: gossip, then write z back.
 
-        When the last mix wrote x itself (w = 1, nothing in flight), ``before`` is x and
-        the update is x <- the new values: they are copied straight into x.
+        Where x can be the parameters' own memory (:meth:`_mixes_in_place`), the round
+        mixes them in place: x <- the new values costs nothing, and nothing is written back
+        (two passes over the model a step: the share sent, the mix). Otherwise, when the
+        last mix wrote x itself (w = 1, nothing in flight), ``before`` is x and the update is
+        x <- the new values: they are copied straight into x.
         """
+        if self.direct:
+            self._mix_in_place()
+            return
         if self.averager is None:  # after the first-step broadcast: every rank starts equal
             self.averager = self._new_averager(before, start_equal=True)
         if before is self.averager.x:
@@ -149,15 +207,21 @@ class ParameterGossip:
             self.averager.flush()
             self.unpack(self.averager.model())
 
-    def average_exactly(self) -> None:
-        """Make every rank's parameters the exact average (through the servers)."""
+    def _packed_averager(self) -> GossipAverager:
+        """The averager, or, where it mixes the parameters in place, one on flat copies of them:
+        the exact collectives then take one push_pull per dtype, not one per parameter."""
+        if self.direct:
+            return self._new_averager(self.pack())
         if self.averager is None:
             self.averager = self._new_averager(self.pack())
-        self.averager.average_exactly()
-        self.unpack(self.averager.model())
+        return self.averager
+
+    def average_exactly(self) -> None:
+        """Make every rank's parameters the exact average (through the servers)."""
+        averager = self._packed_averager()
+        averager.average_exactly()
+        self.unpack(averager.model())
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""
-        if self.averager is None:
-            self.averager = self._new_averager(self.pack())
-        return self.averager.consensus_distance()
+        return self._packed_averager().consensus_distance()
