@@ -62,6 +62,8 @@ class Round:
         self.created = time.monotonic()
         self.stall_reported = False  # elastic: the missing ranks were reported to the scheduler
         self.hosted = False  # pushed by host leaders, one sum per host (bps_gossip.host_groups)
+        self.opened_by = -1  # the rank charged for what the server holds for this round, and how much
+        self.held = 0
 
     @property
     def nbytes(self) -> int:

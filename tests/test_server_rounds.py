@@ -120,6 +120,54 @@ def test_early_pushes_count_their_headers(rig, monkeypatch):
     assert not rounds.early and rounds.early_bytes == 0
 
 
+def test_rounds_one_rank_opens_are_bounded_and_given_back(rig, monkeypatch):
+    """A member that opens rounds no other rank joins (names nobody else pushes) is refused past
+    its rank's bounds, by count and by the bytes the server holds; what completes, fails or
+    expires is given back; the other rank is not charged for it."""
+    import bps_gossip.server.holdings as holdings
+
+    monkeypatch.setattr(holdings, "MAX_OPEN_ROUNDS_PER_RANK", 8)
+    monkeypatch.setattr(holdings, "MAX_OPEN_BYTES_PER_RANK", 64 * 1024)
+    rounds, pool, replies = rig
+    rounds.take_book(book(2))
+    for seq in range(10):  # small: the count bound
+        rounds.on_push(*push(0, np.ones(4, np.float32), seq=seq, name="lonely"))
+    refused = [msg.why for _, msg, _ in replies if isinstance(msg, Error)]
+    assert len(rounds.rounds) == 8 and len(refused) == 2 and "opened 8 rounds" in refused[0], refused
+    assert rounds.rounds.count == {0: 8}
+    for seq in range(8):  # rank 1 completes them: rank 0's charge comes back, rank 1 was never charged
+        rounds.on_push(*push(1, np.ones(4, np.float32), seq=seq, name="lonely"))
+    wait_pool(rounds, pool)
+    assert not rounds.rounds and not rounds.rounds.count and not rounds.rounds.bytes
+    replies.clear()
+    big = np.ones(6000, np.float32)  # 24 KB a round: the byte bound refuses the third
+    for seq in range(20, 23):
+        rounds.on_push(*push(0, big, seq=seq, name="lonely"))
+    refused = [msg.why for _, msg, _ in replies if isinstance(msg, Error)]
+    assert len(rounds.rounds) == 2 and len(refused) == 1 and "hold" in refused[0], refused
+    rounds.expire(max(r.created for r in rounds.rounds.values()) + rounds.config.timeout + 1)
+    assert not rounds.rounds and not rounds.rounds.bytes
+
+
+def test_tensor_names_are_bounded(rig, monkeypatch):
+    """The names a server remembers (to refuse two names on one key) are the newest ones: a job
+    that pushes under ever new names does not grow it, and the partitions recorded per key are
+    bounded too."""
+    import bps_gossip.server.holdings as holdings
+
+    monkeypatch.setattr(holdings, "MAX_TENSOR_NAMES", 4)
+    monkeypatch.setattr(holdings, "MAX_PARTS_SEEN", 2)
+    rounds, pool, _ = rig
+    rounds.take_book(book(1))
+    for key in range(10):
+        for part in range(3):
+            route, msg, frames = push(0, np.ones(2, np.float32), name=f"t{key}")
+            rounds.on_push(route, dataclasses.replace(msg, key=key, part=part), frames)
+    wait_pool(rounds, pool)
+    assert len(rounds.names) == 4 and sorted(rounds.names.parts) == [6, 7, 8, 9]
+    assert all(len(parts) == 2 for parts in rounds.names.parts.values())
+
+
 def test_malformed_push_is_answered_with_its_req(rig):
     rounds, _, replies = rig
     rounds.malformed(b"r", {"op": "push", "req": 5}, ValueError("bad"))

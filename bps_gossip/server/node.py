@@ -101,7 +101,7 @@ class Server:
         if route not in rounds.ranks:
             raise ProtocolError("stats asked by a connection that is no worker of this job")
         send(self.sock, Stats(req=msg.req, rank=self.rank,
-                              parts={str(k): sorted(v) for k, v in rounds.parts_seen.items()},
+                              parts={str(k): sorted(v) for k, v in rounds.names.parts.items()},
                               rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds),
                               pushes=list(rounds.pushes_by_rank), socket_bytes=rounds.socket_bytes), route=route)
 

@@ -28,6 +28,7 @@ from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments, owner_pid
 from ..transport.sockets import server_frame_limit
+from .holdings import RoundTable, TensorNames
 from .pool import SumPool
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
@@ -49,11 +50,10 @@ class Rounds:
         self.addr = addr
         self.reply = reply
         self.pool = pool
-        self.rounds: dict[RoundId, Round] = {}
-        self.names: dict[int, str] = {}  # key -> tensor name: two names on one key are refused
+        self.rounds = RoundTable()  # RoundId -> Round, charged to the rank that opened it
+        self.names = TensorNames()  # key -> tensor name: two names on one key are refused
         self.feedback: dict[tuple[int, int], PartitionState] = {}  # compressed tensors' server-side error
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
-        self.parts_seen: dict[int, set[int]] = {}
         self.rounds_done = 0
         self.pushes_by_rank: list[int] = []  # pushes taken per rank of this generation (stats)
         self.socket_bytes = 0  # payload bytes that came as frames, not through shared memory (stats)
@@ -122,7 +122,7 @@ class Rounds:
         rnd = self._store(who, push, codec)
         if rnd is None:
             return
-        self.parts_seen.setdefault(push.key, set()).add(push.part)
+        self.names.saw_part(push.key, push.part)
         if rnd.nbytes <= INLINE_BYTES:
             if rnd.add(payload if who.region is not None else payload.buffer):
                 rnd.write_back()
@@ -192,7 +192,7 @@ class Rounds:
 
     def _refusal(self, push: Push) -> tuple[str, str] | None:
         """(kind, why) if this job cannot take the push now, else None."""
-        known = self.names.setdefault(push.key, push.name)
+        known = self.names.name_of(push.key, push.name)
         if known != push.name:
             return "protocol", f"tensor names {known!r} and {push.name!r} hash to the same key {push.key}; rename one"
         if self.gone:
@@ -216,10 +216,19 @@ class Rounds:
                 self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed a host's sum but "
                                              "leads no host group of this generation")
                 return None
-            rnd = self.rounds[rid] = Round(rid, push.name, push.signature, push.wire, push.count,
-                                           len(self.leaders) if push.hosted else self.size,
-                                           codec[0] if codec is not None else None, merge)
+            # What the server holds for the round: a copy of a payload that came as a frame (the
+            # float32 sum of a compressed one), nothing for one in the worker's own region.
+            held = held_bytes(push)
+            if who.region is None:
+                held += 4 * codec[0].n if codec is not None else push.count * np.dtype(push.wire).itemsize
+            why = self.rounds.refusal(who.rank, held)
+            if why is not None:
+                self._error(who, "protocol", f"tensor {push.name!r}: server {self.addr}: {why}")
+                return None
+            rnd = Round(rid, push.name, push.signature, push.wire, push.count,
+                        len(self.leaders) if push.hosted else self.size, codec[0] if codec is not None else None, merge)
             rnd.hosted = push.hosted
+            self.rounds.open(rid, rnd, who.rank, held)
         elif who.rank in rnd.pushes:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
