@@ -35,6 +35,8 @@ class Node:
     state: str = "alive"  # alive | joining (elastic, not admitted yet) | left | lost
     seniority: tuple[int, int] = (0, 0)  # (generation admitted, rank or arrival then): lower is older
     local: Any = None  # a liveness.LocalProcess when it runs on the scheduler's host
+    progress: int | None = None  # a worker's count of operations its training started (heartbeats)
+    progress_at: float = dataclasses.field(default_factory=time.monotonic)  # when that count last moved
 
     def describe(self) -> str:
         """A short human label, e.g. 'worker rank 2 (pid 123 on 127.0.0.1)'."""

@@ -304,3 +304,28 @@ def test_failed_handshakes_are_logged_and_rate_limited(cluster):
     lines = [line for line in open(job.scheduler.err_file.name) if "failed the secure handshake" in line]
     assert len(lines) == 1, lines  # many failures, one line in 10 s
     assert f"tcp://127.0.0.1:{job.port}" in lines[0] or "0.0.0.0" in lines[0], lines
+
+
+FALSE_STALL_REPORT = STEADY.replace('print("READY", flush=True)', '''from bps_gossip import api
+if bps.rank() == 2:  # a member that says rank 0 is stuck, sent by its engine's own stall check
+    engine = api._rt("test").engine
+    said = []
+    def overdue(now, stall):
+        if said:
+            return []
+        said.append(now)
+        return [([0], "pushed nothing of 'x' for 60.0 s (a false report)")]
+    engine.peers.channel.overdue = overdue''')
+
+
+@pytest.mark.timeout(90)
+def test_one_members_stall_report_removes_no_working_rank(cluster):
+    """Issue 22, item 2: one 'stalled' report from a member had a healthy rank removed from an
+    elastic job. A worker's report now needs the rank's own heartbeats to agree (no operation
+    started for BPS_GOSSIP_STALL_TIMEOUT); rank 0 keeps pushing, so it stays (a server's report,
+    and a rank that is really stuck, are in test_elastic_trials)."""
+    job = cluster(3, env={**ELASTIC_ENV, "BPS_GOSSIP_STALL_TIMEOUT": "1", "BPS_GOSSIP_HEARTBEAT_INTERVAL": "0.2"})
+    done = job.run_workers(FALSE_STALL_REPORT, timeout=60)
+    assert_all_ok(done, job)
+    assert {f.result["total"] for f in done} == {600.0}
+    assert "reported as stuck by worker rank 2" in job.dump() and "lost" not in job.dump(), job.dump()

@@ -17,7 +17,7 @@ ENTRY = p.BookEntry(rank=0, uid="ab" * 8, addr="tcp://127.0.0.1:5000", host="127
 SAMPLES: list[p.Message] = [  # one of every op, every optional field set
     p.Register(role="worker", addr="tcp://h:1", host="h", pid=12, start_ticks=99, worker_id=0, local_rank=1,
                local_size=2, peer_addr="tcp://h:2", num_worker=1, num_server=1, host_reduce="on"),
-    p.Heartbeat(), p.HbAck(), p.Leave(crashed=True), p.Bye(), p.Refused(why="no"), p.Wait(why="later"),
+    p.Heartbeat(progress=12), p.HbAck(), p.Leave(crashed=True), p.Bye(), p.Refused(why="no"), p.Wait(why="later"),
     p.AddressBook(rank=0, generation=3, servers=["tcp://s:1"], workers=[ENTRY], restore=True),
     p.Barrier(seq=4), p.BarrierDone(seq=4), p.BarrierFailed(seq=4, why="lost"), p.Commit(seq=5),
     p.CommitDone(seq=5, changed=True), p.Rejoin(generation=2, has_state=False),

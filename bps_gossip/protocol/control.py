@@ -56,7 +56,11 @@ class Register(Message):
 
 @message(Op.HEARTBEAT)
 class Heartbeat(Message):
-    """I am alive (every BPS_GOSSIP_HEARTBEAT_INTERVAL); answered by :class:`HbAck`."""
+    """I am alive (every BPS_GOSSIP_HEARTBEAT_INTERVAL); answered by :class:`HbAck`.
+    ``progress``: a worker's count of operations its training has started so far (the
+    scheduler's evidence that a rank reported as stuck is stuck)."""
+
+    progress: int | None = optional_integer(0, fields.MAX_INT)
 
 
 @message(Op.HB_ACK)

@@ -71,6 +71,7 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         self._seqs: dict[str, int] = {}
         self._seq_lock = threading.Lock()
+        self.submitted = 0  # commands handed to the engine thread: the progress heartbeats carry
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._broken: BpsGossipError | None = None  # the job cannot go on: everything fails with it
@@ -118,6 +119,7 @@ class Engine:
         if self._dead is not None:  # nobody reads the inbox any more: fail at once, never hang
             self._drop(command, self._dead)
             return
+        self.submitted += 1  # progress, for the scheduler (a rank reported as stuck is stuck if this stands still)
         self._inbox.put(command)
         os.write(self._wake_w, b".")
         if self._dead is not None:  # the thread ended meanwhile and may have missed this command
@@ -199,7 +201,7 @@ class Engine:
             if self._sockets_changed:  # a new generation brought other servers
                 poller = self._poller()
             now = time.monotonic()
-            if self.scheduler.tick(now):
+            if self.scheduler.tick(now, self.submitted):
                 self._check_deadlines(now)
             wait_ms = 0 if more else int(self.scheduler.seconds_to_beat(time.monotonic()) * 1000)
             events = dict(poller.poll(min(wait_ms, 200)))

@@ -131,11 +131,12 @@ class SchedulerLink:
         return self.book, not admitted.waited
 
     # -- engine loop ----------------------------------------------------------------
-    def tick(self, now: float) -> bool:
-        """Heart-beat when it is time; True when it was (the caller checks deadlines then)."""
+    def tick(self, now: float, progress: int) -> bool:
+        """Heart-beat when it is time, with the count of operations training started so far;
+        True when it was (the caller checks deadlines then)."""
         if now < self._next_beat:
             return False
-        send(self.sock, Heartbeat())
+        send(self.sock, Heartbeat(progress=progress))
         self._next_beat = now + self.config.heartbeat_interval
         return True
 
