@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -122,7 +123,10 @@ def log_epoch(pattern: str, record: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The example's command line (scripts/compare_modes.py extends it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["gossip", "allreduce", "both"], default="gossip")
+    # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "both"],
+                        default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "gossip",
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)

@@ -39,7 +39,10 @@ def fingerprint(net: mx.gluon.Block) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["gossip", "allreduce"], default="allreduce")
+    # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
+    parser.add_argument("--mode", choices=["gossip", "allreduce"],
+                        default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "allreduce",
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else allreduce")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)

@@ -329,3 +329,35 @@ def test_one_members_stall_report_removes_no_working_rank(cluster):
     assert_all_ok(done, job)
     assert {f.result["total"] for f in done} == {600.0}
     assert "reported as stuck by worker rank 2" in job.dump() and "lost" not in job.dump(), job.dump()
+
+
+@pytest.mark.timeout(60)
+def test_refused_registrations_are_logged_at_a_bounded_rate(cluster):
+    """Issue 23, item 6: a flood of malformed registrations wrote one scheduler line each (1,490
+    in a few seconds). The first is logged at once, the rest at most once a second with a count;
+    every one is still answered."""
+    import msgpack
+
+    job = cluster(1)
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, load_config(job.env).keys, serve=False)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{job.port}")
+    try:
+        for _ in range(300):
+            sock.send_multipart([msgpack.packb({"op": "register", "role": "worker", "pid": "not a pid"})])
+        answers = 0
+        while answers < 300 and sock.poll(5000):
+            answers += recv_message(sock, routed=False)[1]["op"] == "refused"
+    finally:
+        sock.close()
+    assert answers == 300
+    time.sleep(1.5)  # past the interval: the next one is logged with the count of those not logged
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, load_config(job.env).keys, serve=False)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{job.port}")
+    sock.send_multipart([msgpack.packb({"op": "register", "role": "worker", "pid": "not a pid"})])
+    assert sock.poll(5000) and recv_message(sock, routed=False)[1]["op"] == "refused"
+    sock.close()
+    wait_for_line(job.scheduler, "more since the last report", job)
+    lines = [line for line in job.dump().splitlines() if "refused a registration" in line]
+    assert 2 <= len(lines) <= 5, lines

@@ -210,6 +210,16 @@ def test_mode_flag_sets_the_trainer_default(job):
     assert code == 2 and "invalid choice: 'fast'" in err, out + err
 
 
+@pytest.mark.timeout(120)
+def test_the_example_follows_the_mode_flag(job):
+    """Issue 23, item 8: `bpslaunch --mode allreduce ... examples/train_digits.py` trained with
+    gossip (the example's own --mode default); it follows BPS_GOSSIP_MODE now."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
+    code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, str(example),
+                                           "--epochs", "1", "--hidden", "16"]), timeout=100)
+    assert code == 0 and out.count("final test accuracy (allreduce, 2 workers") == 2, out + err
+
+
 @pytest.mark.timeout(30)
 def test_failing_worker_stops_the_job(job):
     body = """

@@ -113,7 +113,7 @@ def test_two_hosts_train_from_one_command(ssh_hosts, tmp_path):
     _nothing_left(ssh_hosts)
     # A real training across the two hosts: the digits MLP, 4 workers, allreduce (identical models).
     proc = _start(ssh_hosts, tmp_path, ["--mode", "allreduce", sys.executable, str(EXAMPLES / "train_digits.py"),
-                                        "--epochs", "2", "--mode", "allreduce", "--hidden", "32"], _env())
+                                        "--epochs", "2", "--hidden", "32"], _env())  # the example follows --mode
     out = _finish(proc, 180)
     assert proc.returncode == 0, out
     accuracy = [float(v) for v in re.findall(r"\[\d@[\d.]+\] rank \d final test accuracy \(allreduce, 4 workers.*: ([0-9.]+) ", out)]

@@ -15,9 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The project's own files: a script a user keeps in the checkout is theirs, not ours to lint.
+PROJECT = ["bps_gossip", "mxnet_plugin", "tests", "scripts", "examples", "startup", "setup.py"]
+
+
 @pytest.mark.timeout(120)
 def test_ruff_clean():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True)
+    paths = [str(ROOT / name) for name in PROJECT if (ROOT / name).exists()]
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -48,6 +48,7 @@ from ..transport.security import FailedHandshakes
 from ..transport.sockets import SocketRole, open_socket
 from . import liveness
 from .changes import Changes, address_book
+from .stalls import StallReports, heard_progress
 
 MemberHandler = Callable[[bytes, Any, Node], None]
 
@@ -86,9 +87,9 @@ class Scheduler:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.log.info("listening on %s (others connect to %s)", self.endpoint, config.scheduler_address)
         self.barriers: dict[int, set[bytes]] = {}
-        self.stall_reports: dict[bytes, tuple[int, str]] = {}  # uid -> (generation, why): a worker's word, not yet agreed
         self.commits: dict[int, set[bytes]] = {}
         self.changes = Changes(config, self.members, self.log, self._send, self._end, self._void_barriers)
+        self.stalls = StallReports(config, self.members, self.log, self._remove_stuck)
         self.worker_lost: str | None = None  # not elastic: the loss that broke the job
         self.exit_code = 0
         self.running = True
@@ -104,6 +105,7 @@ class Scheduler:
             Stalled: self._member(self._on_stalled),
         }, malformed={Register: self._refuse})
         self.drops = DropLog(self.log, "message")
+        self.refusals = DropLog(self.log, "registration", verb="refused a", level=logging.ERROR)
 
     # -- sending ------------------------------------------------------------------
     def _send(self, uid: bytes, msg: Message) -> None:
@@ -119,7 +121,7 @@ class Scheduler:
 
     # -- registration -------------------------------------------------------------
     def _refuse(self, uid: bytes, _header: dict[str, Any], error: Exception) -> None:
-        self.log.error("refused registration from %r: %s", uid, error)
+        self.refusals.dropped(f"{error} (from {uid[:64]!r})")
         self._send(uid, Refused(why=str(error)))
 
     def _on_register(self, uid: bytes, msg: Register, _frames: list) -> None:
@@ -170,8 +172,7 @@ class Scheduler:
         return gate
 
     def _on_heartbeat(self, uid: bytes, msg: Heartbeat, node: Node) -> None:
-        if msg.progress is not None and msg.progress != node.progress:
-            node.progress, node.progress_at = msg.progress, time.monotonic()
+        heard_progress(node, msg.progress, time.monotonic())
         self._send(uid, HbAck())
 
     def _on_leave(self, uid: bytes, msg: Leave, node: Node) -> None:
@@ -258,37 +259,8 @@ class Scheduler:
                 self.log.info("removed %d shared-memory segments of %s", removed, node.describe())
 
     def _on_stalled(self, _uid: bytes, msg: Stalled, reporter: Node) -> None:
-        """Elastic: a server (or a worker waiting for gossip or for its host) saw ranks push
-        nothing for BPS_GOSSIP_STALL_TIMEOUT while others waited: stuck workers are removed like
-        lost ones. A server's word is enough; a worker's needs the rank's own heartbeats to agree
-        (no operation started for as long), so that one member cannot have a healthy one removed."""
-        if not self.config.elastic or self.changes.change is not None or msg.generation != self.members.generation:
-            return  # a change is under way already, or the report is of an old generation
-        for worker in self.members.workers("alive"):
-            if worker.rank in msg.ranks and worker is not reporter:
-                reason = (f"stuck: {msg.why} (BPS_GOSSIP_STALL_TIMEOUT={self.config.stall_timeout:g}, "
-                          f"seen by {reporter.describe()})")
-                if reporter.role == "server" or self._idle(worker, time.monotonic()):
-                    self._remove_stuck(worker, reason)
-                elif worker.uid not in self.stall_reports:
-                    self.log.warning("%s reported as stuck by %s; its heartbeats say it is still working: "
-                                  "removed only if they stop saying so", worker.describe(), reporter.describe())
-                    self.stall_reports[worker.uid] = (msg.generation, reason)
-
-    def _idle(self, worker: Node, now: float) -> bool:
-        """Whether ``worker``'s heartbeats say it started no operation for BPS_GOSSIP_STALL_TIMEOUT."""
-        return now - worker.progress_at >= self.config.stall_timeout
-
-    def _check_stall_reports(self, now: float) -> None:
-        """Workers reported as stuck by a worker: removed once their own heartbeats agree."""
-        for uid, (generation, reason) in list(self.stall_reports.items()):
-            worker = self.members.nodes.get(uid)
-            if worker is None or worker.state != "alive" or generation != self.members.generation \
-                    or self.changes.change is not None:
-                del self.stall_reports[uid]
-            elif self._idle(worker, now):
-                del self.stall_reports[uid]
-                self._remove_stuck(worker, reason)
+        if self.config.elastic and self.changes.change is None:  # else a change is under way already
+            self.stalls.report(msg, reporter, time.monotonic())
 
     def _remove_stuck(self, worker: Node, reason: str) -> None:
         self.members.mark(worker.uid, "lost")
@@ -328,7 +300,8 @@ class Scheduler:
                 self._remove_for_good(node, why)
                 self._on_gone(node, "lost", why)
         if self.config.elastic and self.running:
-            self._check_stall_reports(now)
+            if self.changes.change is None:
+                self.stalls.check(now)
             self.changes.check(now)
 
     # -- the end ------------------------------------------------------------------

@@ -29,10 +29,13 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum 
 
 
 class DropLog:
-    """Reports dropped messages at most once per ``interval`` seconds, with how many more."""
+    """Reports dropped (or refused) messages at most once per ``interval`` seconds, with how
+    many more: a flood of them cannot flood the log."""
 
-    def __init__(self, log: logging.Logger, what: str, interval: float = 1.0) -> None:
+    def __init__(self, log: logging.Logger, what: str, interval: float = 1.0, verb: str = "dropped a malformed",
+                 level: int = logging.WARNING) -> None:
         self.log, self.what, self.interval = log, what, interval
+        self.verb, self.level = verb, level
         self.last = -float("inf")
         self.unreported = 0
 
@@ -43,7 +46,7 @@ class DropLog:
             self.unreported += 1
             return
         more = f" (and {self.unreported} more since the last report)" if self.unreported else ""
-        self.log.warning("dropped a malformed %s: %s%s", self.what, why, more)
+        self.log.log(self.level, "%s %s: %s%s", self.verb, self.what, why, more)
         self.last, self.unreported = now, 0
 
 
