@@ -265,6 +265,37 @@ def test_byteps_trace_file(cluster, tmp_path):
             assert len(inside) == 3
 
 
+@pytest.mark.timeout(90)
+def test_byteps_trace_file_has_gossip_rounds(cluster, tmp_path):
+    """Issue 23, item 14: BYTEPS_TRACE_ON in DistributedTrainer's default (gossip) mode wrote
+    nothing. Gossip rounds are traced like push_pulls: a total per round, with SEND and MIX
+    inside it (compressed gossip: the total only)."""
+    job = cluster(2, 1, {"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_START_STEP": "2", "BYTEPS_TRACE_END_STEP": "4"})
+    done = job.run_workers('''
+        import mxnet as mx, mxnet_plugin as bps
+        bps.init()
+        net = mx.gluon.nn.Dense(3, in_units=4)
+        net.initialize()
+        plain = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+        for step in range(6):
+            with mx.autograd.record():
+                loss = net(mx.nd.ones((2, 4))).sum()
+            loss.backward()
+            plain.step(2)
+        bps.shutdown()
+        report("ok")
+    ''', per_rank_env={rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}, timeout=60)
+    assert_all_ok(done, job)
+    for rank in range(2):
+        events = json.loads((tmp_path / f"rank{rank}" / "0" / "comm.json").read_text())["traceEvents"]
+        stages = [e["name"] for e in events if e["pid"] == "Comm.gossip.trainer"]
+        assert stages.count("Comm.gossip.trainer") == 3, stages  # rounds 2, 3 and 4
+        assert stages.count("Comm.gossip.trainer.SEND") == 3 and stages.count("Comm.gossip.trainer.MIX") == 3
+        totals = [e for e in events if e["name"] == "Comm.gossip.trainer"]
+        for stage in (e for e in events if e["name"].endswith((".SEND", ".MIX"))):
+            assert any(t["ts"] <= stage["ts"] <= t["ts"] + t["dur"] for t in totals)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("params", [{"compressor": "topk", "k": 0.1}, {"compressor": "onebit", "scaling": True},
                                     {"compressor": "dithering", "k": 4, "seed": 1}], ids=["topk", "onebit", "dithering"])

@@ -14,7 +14,9 @@ Messages and the exact collectives go through a :class:`~.link.Link` passed as `
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -110,20 +112,34 @@ class GossipAverager:
         if self.size == 1:
             self.rnd += 1
             return
+        rnd = self.rnd
+        tracer = getattr(self.link, "tracer", None)  # the worker's (BYTEPS_TRACE_ON), or None
+        if tracer is None or not tracer.traced(rnd):
+            self._round()
+            return
+        with tracer.span(f"gossip.{self.tag}", "total"):
+            self._round(tracer)
+        tracer.finished(rnd)
+
+    def _round(self, tracer: Any = None) -> None:
+        """One round (``tracer``: record its stages)."""
         if self.overlap:
             while self.open and (len(self.open) > self.synch_freq or self.open[0].arrived()):
-                self._absorb(self.open.popleft())
+                self._absorb(self.open.popleft(), tracer)
         # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
         # over x; an open round must take it now, before x changes.
-        pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight, defer_scaling=not self.overlap)
+        with tracer.span(f"gossip.{self.tag}", "SEND") if tracer is not None else contextlib.nullcontext():
+            pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight,
+                                                       defer_scaling=not self.overlap)
         self.rnd += 1
         if self.overlap:
             self.open.append(pending)
         else:
-            self._absorb(pending)
+            self._absorb(pending, tracer)
 
-    def _absorb(self, pending: PendingRound) -> None:
-        self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
+    def _absorb(self, pending: PendingRound, tracer: Any = None) -> None:
+        with tracer.span(f"gossip.{self.tag}", "MIX") if tracer is not None else contextlib.nullcontext():
+            self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
 
     def flush(self) -> None:
         """Absorb every open round (before evaluating, saving or stopping)."""

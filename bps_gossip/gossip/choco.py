@@ -19,6 +19,7 @@ onebit's one scale per buffer leaves a small floor on the consensus distance.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class ChocoAverager(GossipAverager):
         start = (lambda v: v.astype(np.float32)) if start_equal else (lambda v: np.zeros(v.size, np.float32))
         self.hat = {r: {key: start(value) for key, value in self.x.items()} for r in [self.rank, *self.neighbors]}
 
-    def step(self) -> None:
+    def _round(self, tracer: Any = None) -> None:
         """One round: send C(x - x_hat) to both ring neighbours, update the copies, mix."""
         rnd, self.rnd = self.rnd, self.rnd + 1
         if not self.neighbors:

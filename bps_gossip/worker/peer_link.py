@@ -31,6 +31,7 @@ class PeerLink:
         self._push_pull = push_pull
         self._timeout = timeout
         self._local: frozenset[int] = frozenset()
+        self.tracer = engine.tracer if engine is not None else None  # BYTEPS_TRACE_ON: gossip rounds too
         book = engine.book if engine is not None else None
         if book is not None and engine.segments is not None:
             self._local = frozenset(i for i in range(book.size) if i != book.rank and book.same_host(i))

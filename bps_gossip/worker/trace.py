@@ -11,6 +11,11 @@ finished) and, per partition (``tid`` = the partition's number), the stages ours
   the server's summation is inside it;
 - DECOMPRESS: the merged result decompressed (compressed tensors; whole tensor).
 
+Gossip rounds are traced too, one row ``Comm.gossip.<tag>`` (``gossip.trainer`` for
+DistributedTrainer) with a ``total`` event per round and its stages: SEND (the shares
+scaled and handed over) and MIX (waiting for the peers' shares and adding them); a round is a
+step, counted like a tensor's push_pulls. Compressed gossip has the ``total`` event only.
+
 A tensor's steps are its push_pulls, counted from 1: BYTEPS_TRACE_START_STEP (default
 10) to BYTEPS_TRACE_END_STEP (default 20) are traced. The file is written when a tensor
 finishes its last traced step and again at shutdown.
@@ -18,12 +23,13 @@ finishes its last traced step and again at shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def now_us() -> float:
@@ -51,6 +57,15 @@ class Tracer:
             self.events.append({"name": row if stage == "total" else f"{row}.{stage}", "ph": "X",
                                 "ts": begin, "dur": max(0.0, finish - begin), "pid": row, "tid": tid,
                                 "cat": "Comm", "args": {"name": row}})
+
+    @contextlib.contextmanager
+    def span(self, tensor: str, stage: str, tid: str | int = "total") -> Iterator[None]:
+        """An event of ``stage`` around the ``with`` block."""
+        begin = now_us()
+        try:
+            yield
+        finally:
+            self.event(tensor, stage, tid, begin, now_us())
 
     def finished(self, seq: int) -> None:
         """A traced push_pull finished: write the file after a tensor's last traced step."""
