@@ -21,7 +21,9 @@ wait as for any MXNet operation. ``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or setting
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import threading
+from typing import Any, Callable
 
 import mxnet as mx
 import numpy as np
@@ -62,14 +64,16 @@ class BpsGossip(mx.kvstore.KVStoreBase):
 
     @property
     def type(self) -> str:
-        """'dist_sync_bpsgossip' (``mx.kv.create`` takes 'bpsgossip').
+        """'bpsgossip', the name ``mx.kv.create`` takes (as MXNet's own 'horovod' and 'byteps'
+        stores return theirs).
 
-        MXNet decides by substrings of the type: with 'dist' and '_sync' in it, Module
-        (and FeedForward) scale gradients by 1 / (batch size x workers), as for dist_sync;
-        with 'bpsgossip' alone they took 1 / batch size and stepped ``num_workers`` times
-        too far.
+        MXNet's Module (and FeedForward) decide gradient scaling by substrings of the type:
+        with 'dist' and '_sync' in it they scale by 1 / (batch size x workers), as for
+        dist_sync; with 'bpsgossip' alone they would take 1 / batch size and step
+        ``num_workers`` times too far. While they set up their optimizer (and nowhere else),
+        the type reads 'dist_sync_bpsgossip' (:func:`_teach_gradient_scaling`).
         """
-        return TYPE
+        return TYPE if getattr(_setting_up_scaling, "depth", 0) else NAME
 
     @property
     def rank(self) -> int:
@@ -81,8 +85,10 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         """The number of workers."""
         return core.size()
 
-    def is_capable(self, capability: str) -> bool:
-        """No server-side optimizer: Trainer and Module update locally."""
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        """No server-side optimizer: Trainer and Module update locally. A static method, as in
+        MXNet's KVStoreBase (MXNet calls it on the class too)."""
         return capability.lower() != mx.kvstore.KVStoreBase.OPTIMIZER
 
     @staticmethod
@@ -228,6 +234,29 @@ def _teach_initialize_kvstore() -> None:
             module._initialize_kvstore = initialize_kvstore
 
 
+def _teach_gradient_scaling() -> None:
+    """While Module sets up its optimizer (``init_optimizer``) and FeedForward trains (``fit``),
+    our store's type reads 'dist_sync_bpsgossip', so that they scale gradients as for dist_sync
+    (see :attr:`BpsGossip.type`)."""
+    for cls, method in ((mx.module.Module, "init_optimizer"), (mx.model.FeedForward, "fit")):
+        original = getattr(cls, method)
+        if getattr(original, "_bps_gossip", False):
+            continue
+
+        def as_dist_sync(self: Any, *args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            _setting_up_scaling.depth = getattr(_setting_up_scaling, "depth", 0) + 1
+            try:
+                return __original(self, *args, **kwargs)
+            finally:
+                _setting_up_scaling.depth -= 1
+
+        functools.update_wrapper(as_dist_sync, original)
+        as_dist_sync._bps_gossip = True
+        setattr(cls, method, as_dist_sync)
+
+
+_setting_up_scaling = threading.local()  # depth > 0: Module or FeedForward is deciding its gradient scaling
 _teach_create_kvstore()
 _teach_initialize_kvstore()
+_teach_gradient_scaling()
 teach_trainer_and_module(BpsGossip)
