@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,27 @@ def test_reset_limit_fails_the_job(job, limit):
     job.assert_nothing_left()
 
 
+@pytest.mark.timeout(60)
+def test_a_slot_failing_at_start_up_is_restarted_ever_more_slowly(job):
+    """Issue 23, item 12: without --reset-limit a worker failing at start-up was restarted every
+    2 s, forever (75 restarts in 2 minutes). The wait doubles for each failure at start-up in a
+    row: 2, 4, 8 s ... up to 60 s."""
+    body = """
+import os, sys, time
+if os.environ["BYTEPS_LOCAL_RANK"] == "1":
+    sys.exit(3)  # every process of slot 1 fails at once
+time.sleep(60)  # slot 0 waits (the rendezvous would wait for slot 1)
+"""
+    main = job.start(["-np", "2", "--min-np", "1", sys.executable, job.script(body)])
+    wait_for(main, job, r"slot 1 failed 2 times in a row within 30 s of starting: restarting it in 4 s$")
+    wait_for(main, job, r"slot 1 failed 3 times in a row within 30 s of starting: restarting it in 8 s$")
+    time.sleep(4.0)  # every 2 s before: two more restarts by now
+    assert job.output(main)[1].count("starting worker w") == 2, job.output(main)
+    main.send_signal(signal.SIGTERM)
+    job.finish(main, timeout=20)
+    job.assert_nothing_left()
+
+
 def wait_for(proc, job: Job, pattern: str, timeout: float = 20) -> re.Match:
     """Wait until bpslaunch's stderr matches ``pattern``."""
     deadline = time.monotonic() + timeout
@@ -127,9 +149,13 @@ def wait_for(proc, job: Job, pattern: str, timeout: float = 20) -> re.Match:
 
 @pytest.mark.timeout(60)
 def test_join_adds_a_worker(job):
+    """As the docs say it (issue 23, item 9): no secret given anywhere; bpslaunch -np makes one in a
+    file, and `bpslaunch --join --root 127.0.0.1:PORT` on the same host finds that file."""
+    job.env.pop("BPS_GOSSIP_SECRET", None)
     env = {**JOB_ENV, "STEP_SLEEP": "0.25"}
     main = job.start(["-np", "2", "--min-np", "1", "--max-np", "3", sys.executable, JOB], env)
-    root = wait_for(main, job, r"add a worker with: bpslaunch --join --root (127\.0\.0\.1:\d+) ")[1]
+    root = wait_for(main, job, r"add a worker with: BPS_GOSSIP_SECRET_FILE=\S+ bpslaunch --join --root "
+                               r"(127\.0\.0\.1:\d+) ")[1]
     wait_for_commit = time.monotonic() + 20
     while '"commit"' not in job.output(main)[0]:  # the job is running
         assert main.poll() is None and time.monotonic() < wait_for_commit, job.output(main)
@@ -137,6 +163,7 @@ def test_join_adds_a_worker(job):
     joiner = job.start(["--join", "--root", root, sys.executable, JOB], env)
     code, jout, jerr = job.finish(joiner, timeout=40)
     assert code == 0, jout + jerr
+    assert "with the job's secret from" in jerr, jerr
     code, out, err = job.finish(main, timeout=15)  # ends by itself once every worker left
     assert code == 0, out + err
     found = results(out + jout)

@@ -93,7 +93,8 @@ scheduler's address). A bad or missing variable is an error (exit status 2).
 
 Elastic local jobs (--min-np/--max-np) restart a failed worker (its output is prefixed
 [wK], K counting worker processes) until --reset-limit restarts are used (default: no
-limit); workers joining with --join are admitted at the next commit. The job fails when
+limit; a slot whose workers keep failing within 30 s of starting waits twice as long before
+each restart, up to 60 s); workers joining with --join are admitted at the next commit. The job fails when
 fewer than --min-np workers remain for longer than --elastic-timeout seconds.
 
 Exit status: the first non-zero exit code of a worker (128+N for signal N), 0 when

@@ -23,9 +23,12 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..liveness import start_ticks
 from .backend import check_command
+from .secret_files import find_secret_file
 from .supervisor import Child, Supervisor
 
 SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
+QUICK_FAILURE_SECONDS = 30.0  # a worker that fails this soon after starting failed "at start-up"
+MAX_BACKOFF_SECONDS = 60.0  # the longest wait before restarting a slot that keeps failing at start-up
 _POLL_SECONDS = 0.05
 
 
@@ -99,6 +102,9 @@ def join_command(port: int, command: list[str], secret_file: str | None = None) 
     return line if secret_file is None else f"BPS_GOSSIP_SECRET_FILE={shlex.quote(secret_file)} {line}"
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # a --root on this host: its job's secret file is here
+
+
 def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
     """The environment of a ``bpslaunch --join`` worker: an elastic worker of the job at ``root``.
 
@@ -115,6 +121,11 @@ def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
     elif not out.get("DMLC_PS_ROOT_PORT"):
         raise ConfigError("--join needs the job's scheduler: --root HOST:PORT, or DMLC_PS_ROOT_URI "
                           "and DMLC_PS_ROOT_PORT in the environment")
+    if not out.get("BPS_GOSSIP_SECRET") and not out.get("BPS_GOSSIP_SECRET_FILE") \
+            and out.get("DMLC_PS_ROOT_URI", "127.0.0.1") in LOCAL_HOSTS:
+        found = find_secret_file(int(out["DMLC_PS_ROOT_PORT"]))  # the job bpslaunch -np runs here
+        if found is not None:
+            out["BPS_GOSSIP_SECRET_FILE"] = found
     load_config(out)  # a bad variable is an error before anything starts
     return out
 
@@ -124,8 +135,10 @@ def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None
     (HOST:PORT, default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT). Returns its exit code."""
     child_env = join_env(root, os.environ if env is None else env)
     check_command(command, child_env)
+    found = "" if child_env.get("BPS_GOSSIP_SECRET_FILE") == (env or os.environ).get("BPS_GOSSIP_SECRET_FILE") \
+        else f", with the job's secret from {child_env['BPS_GOSSIP_SECRET_FILE']}"
     print(f"bpslaunch: joining the elastic job at {child_env.get('DMLC_PS_ROOT_URI', '127.0.0.1')}:"
-          f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit)", file=sys.stderr, flush=True)
+          f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit{found})", file=sys.stderr, flush=True)
     with Supervisor() as sup:
         sup.start(command, child_env, "worker", "worker", None)
         return sup.wait(fail_fast=False)
@@ -151,7 +164,10 @@ class ElasticRun:
         self.restart_delay = max(SETTLE_SECONDS, restart_delay)
         self.restarts = 0
         self.given_up: set[int] = set()  # slots whose failure the ended job no longer needs restarted
-        self.pending: list[tuple[int, Child, float]] = []  # (slot, failed child, when) to act on
+        self.pending: list[tuple[int, Child, float]] = []  # (slot, failed child, when to act) to act on
+        now = time.monotonic()
+        self.born = {id(child): now for child in workers.values()}  # when each worker process started
+        self.quick_failures: dict[int, int] = {}  # slot -> its processes that failed at start-up in a row
         self.scheduler = next((c for c in sup.children if c.role == "scheduler"), None)
         self.first_error = 0
         self.finished: str | None = None  # the first worker that exited 0: the job is ending
@@ -204,13 +220,25 @@ class ElasticRun:
         elif code != 0 and slot is not None:
             self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)}")
             # Decided later: if this is the scheduler failing the job, its reason is the one to report.
-            self.pending.append((slot, child, time.monotonic()))
+            self.pending.append((slot, child, time.monotonic() + self._delay(slot, child)))
         return None
+
+    def _delay(self, slot: int, child: Child) -> float:
+        """How long to wait before restarting ``slot``: doubled for each of its processes that failed
+        at start-up in a row (a broken script or environment is not restarted in a tight loop)."""
+        now = time.monotonic()
+        quick = now - self.born.pop(id(child), now) < QUICK_FAILURE_SECONDS
+        failures = self.quick_failures[slot] = self.quick_failures.get(slot, 0) + 1 if quick else 0
+        delay = min(MAX_BACKOFF_SECONDS, self.restart_delay * 2 ** max(0, failures - 1))
+        if failures > 1:
+            self._note(f"slot {slot} failed {failures} times in a row within {QUICK_FAILURE_SECONDS:g} s of "
+                       f"starting: restarting it in {delay:g} s")
+        return delay
 
     def _act_on_failures(self) -> int | None:
         """Restart (or give up on) the failed workers whose delay has passed."""
         now = time.monotonic()
-        due = [p for p in self.pending if now - p[2] >= self.restart_delay]
+        due = [p for p in self.pending if now >= p[2]]
         for item in due:
             self.pending.remove(item)
             slot, child, _ = item
@@ -229,6 +257,7 @@ class ElasticRun:
                        f"(restart {self.restarts}, {limit}); it joins at the job's next commit")
             self.current[slot] = self.sup.start(self.command, self.slot_env(slot), "worker",
                                                 f"worker {label}", f"[{label}] ")
+            self.born[id(self.current[slot])] = time.monotonic()
         return None
 
     def _stop_unadmitted(self) -> None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import socket
-import tempfile
 from collections.abc import Mapping
 
 from ..config import OWNED_SECRET_VAR, Config, load_config
@@ -22,6 +20,7 @@ from ..errors import ConfigError
 from ..transport import shm
 from .backend import Backend, Process, check_command
 from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay
+from .secret_files import make_secret_file
 from .supervisor import Child, Supervisor
 
 # Local mode owns these: every process runs on this machine, in one job.
@@ -33,15 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def make_secret_file(port: int) -> str:
-    """A fresh job secret in a file only this user can read; the children read it from there
-    (BPS_GOSSIP_SECRET_FILE), so it is in no process's command line or environment."""
-    fd, path = tempfile.mkstemp(prefix=f"bpsg_secret_{port}_")  # mode 0600
-    with os.fdopen(fd, "w") as file:
-        file.write(secrets.token_hex(32) + "\n")
-    return path
 
 
 class LocalBackend(Backend):
