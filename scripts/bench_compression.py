@@ -62,7 +62,12 @@ def main() -> int:
     parser.add_argument("--only", help="setting names to run, separated by semicolons (default: all)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
-    settings = [s for s in SETTINGS if not args.only or s[0] in args.only.split(";")]
+    wanted = [name.strip() for name in args.only.split(";")] if args.only else []
+    unknown = sorted(set(wanted) - {s[0] for s in SETTINGS})
+    if unknown:
+        parser.error(f"--only: no setting named {', '.join(map(repr, unknown))}; the settings are "
+                     f"{'; '.join(s[0] for s in SETTINGS)}")
+    settings = [s for s in SETTINGS if not wanted or s[0] in wanted]
     try:
         net = build_network(args.workers, 1, args.mbit, {})
     except netns.NetnsError as exc:

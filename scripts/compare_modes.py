@@ -48,6 +48,10 @@ def main() -> int:
     parser.add_argument("--log-every", type=int, default=5, help="steps between two measurements")
     args = parser.parse_args()
     out = args.out
+    try:  # before minutes of training, not after them
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("the plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
     bps.init()
     results = [train(args, mode, log_every=args.log_every) for mode in ("gossip", "allreduce")]
     if bps.rank() == 0:
