@@ -98,6 +98,22 @@ def _nothing_left(ssh_hosts, within: float = 10.0) -> None:
 
 
 @needs_hosts
+@pytest.mark.timeout(120)
+def test_a_bare_python_from_an_activated_virtualenv_is_that_one_everywhere(ssh_hosts, tmp_path):
+    """Issue 23, item 2: typed from an activated virtualenv, `bpslaunch -H ... python job.py` ran the
+    login's python on the remote side (no mxnet, no bps_gossip). PATH and VIRTUAL_ENV are forwarded
+    now, and the host check says which program the command runs on each host."""
+    (tmp_path / "job.py").write_text(JOB)
+    venv = Path(sys.executable).parent
+    env = _env(PATH=f"{venv}{os.pathsep}/usr/bin{os.pathsep}/bin", VIRTUAL_ENV=str(venv.parent))
+    out = _finish(_start(ssh_hosts, tmp_path, ["python", "job.py"], env), 100)
+    assert len(re.findall(r"RESULT rank=\d size=4", out)) == 4, out
+    a, b = ssh_hosts.addresses
+    assert f"the command runs {venv / 'python'} on {a}, {venv / 'python'} on {b}" in out, out
+    _nothing_left(ssh_hosts)
+
+
+@needs_hosts
 @pytest.mark.timeout(240)
 def test_two_hosts_train_from_one_command(ssh_hosts, tmp_path):
     a, b = ssh_hosts.addresses
@@ -196,8 +212,14 @@ def test_bad_hostfiles_and_placements_are_refused(tmp_path):
 
 
 def test_forwarded_environment_and_plan():
-    env = {"BPS_GOSSIP_TIMEOUT": "5", "BPS_GOSSIP_SECRET": "s", "DMLC_ROLE": "worker", "HOME": "/root", "X": "1"}
-    assert ssh.forwarded_env(env, ["X", "Y=2"]) == {"BPS_GOSSIP_TIMEOUT": "5", "X": "1", "Y": "2"}
+    """Issue 23, item 2: the environment is forwarded as horovodrun does (an activated virtualenv's
+    PATH and VIRTUAL_ENV included), but not what describes this host, login or launch."""
+    env = {"BPS_GOSSIP_TIMEOUT": "5", "BPS_GOSSIP_SECRET": "s", "DMLC_ROLE": "worker", "HOME": "/root", "X": "1",
+           "PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "SSH_CONNECTION": "a b", "HOSTNAME": "here",
+           "BASH_FUNC_f%%": "() { :; }", "SLURM_JOB_ID": "7", "DISPLAY": ":0", "XDG_RUNTIME_DIR": "/run/user/0"}
+    assert ssh.forwarded_env(env, ["Y=2"]) == {"BPS_GOSSIP_TIMEOUT": "5", "X": "1", "Y": "2",
+                                                "PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv"}
+    assert ssh.forwarded_env(env, ["HOSTNAME"])["HOSTNAME"] == "here"  # -x forwards what is left out
     with pytest.raises(ConfigError, match="-x NOPE: NOPE is not set here"):
         ssh.forwarded_env(env, ["NOPE"])
     with pytest.raises(ConfigError, match="not an environment variable name"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,12 +33,19 @@ GRACE_SECONDS = 3.0
 MAX_SPEC_BYTES = 1 << 20  # the launcher's line: argv, cwd and the forwarded environment
 
 
-def probe() -> dict[str, Any]:
-    """What bpslaunch asks a host before it starts anything there."""
+def probe(program: str = "", path: str = "") -> dict[str, Any]:
+    """What bpslaunch asks a host before it starts anything there; with ``program``, the file it
+    would run here with the forwarded PATH ``path`` (relative to nothing: "" if none)."""
     with socket.socket() as sock:
         sock.bind(("0.0.0.0", 0))
         port = sock.getsockname()[1]
-    return {"port": port, "python": sys.version.split()[0], "hostname": socket.gethostname()}
+    found = {}
+    if program and os.sep in program and not os.path.isabs(program):
+        found["program"] = program  # relative to the job's directory, which the probe is not in
+    elif program:
+        where = program if os.path.isabs(program) else shutil.which(program, path=path)
+        found["program"] = where if where and os.path.exists(where) else ""
+    return {"port": port, "python": sys.version.split()[0], "hostname": socket.gethostname(), **found}
 
 
 def read_spec(fd: int) -> tuple[list[str], str, dict[str, str], str | None]:
@@ -137,8 +145,8 @@ def run(argv: list[str], cwd: str, env: Mapping[str, str], secret: str | None, s
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``--probe``, or run the job's command described on stdin."""
     args = sys.argv[1:] if argv is None else argv
-    if args == ["--probe"]:
-        print(json.dumps(probe()), flush=True)
+    if args == ["--probe"] or (len(args) == 4 and args[:2] == ["--probe", "--which"]):
+        print(json.dumps(probe(*args[2:])), flush=True)
         return 0
     if args:
         print(f"bps_gossip.launch.remote: unknown arguments {args!r}", file=sys.stderr)

@@ -31,11 +31,16 @@ from .elastic import ElasticOptions
 from .hosts import Host, Placement, parse_hosts, place_workers, read_hostfile
 from .supervisor import Child, Supervisor
 
-# Forwarded to every process without -x: the project's own settings and MXNet's.
-FORWARDED_PREFIXES = ("BYTEPS_", "BPS_GOSSIP_", "DMLC_", "MXNET_", "OMP_")
+# Every exportable variable of bpslaunch's environment is forwarded (as horovodrun does: PATH
+# and VIRTUAL_ENV from an activated virtualenv make a bare `python` the same one there), except
+# what describes this host, this login or this launch, and what bpslaunch sets per process.
 _NOT_FORWARDED = {"BPS_GOSSIP_SECRET", "BPS_GOSSIP_SECRET_FILE", "DMLC_ROLE", "DMLC_WORKER_ID",
                   "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
-                  "DMLC_NODE_HOST", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BPS_GOSSIP_PORT"}
+                  "DMLC_NODE_HOST", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BPS_GOSSIP_PORT",
+                  "HOSTNAME", "HOST", "HOME", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY", "MAIL",
+                  "TMPDIR", "WINDOWID", "KRB5CCNAME", "LS_COLORS"}
+_NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "DBUS_", "TMUX", "STY", "BASH_FUNC_", "SLURM_", "OMPI_", "PMI_",
+                           "PMIX_", "HYDRA_")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PROBE_SECONDS = 30.0  # for one host's check, connection included
 REMOTE_MODULE = "bps_gossip.launch.remote"  # what ssh runs on every host
@@ -63,9 +68,11 @@ class SshOptions:
 
 
 def forwarded_env(env: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
-    """The variables every remote process gets: the project's (FORWARDED_PREFIXES) and each
-    ``-x NAME`` (its value here) or ``-x NAME=VALUE``, as mpirun and horovodrun take them."""
-    out = {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and k not in _NOT_FORWARDED}
+    """The variables every remote process gets: every one of ``env`` but those of this host,
+    login or launch (``_NOT_FORWARDED``), and each ``-x NAME`` (its value here) or
+    ``-x NAME=VALUE``, as mpirun and horovodrun take them (also to forward one of those)."""
+    out = {k: v for k, v in env.items()
+           if _NAME.match(k) and k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
     for item in names:
         name, equals, value = item.partition("=")
         if not _NAME.match(name):
@@ -94,11 +101,14 @@ def job_secret(env: Mapping[str, str]) -> str:
     return secrets.token_hex(32)
 
 
-def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str, dict]:
-    """Check every host at once; return each one's probe (see :func:`.remote.probe`),
-    or raise ConfigError naming every host that failed and why."""
+def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str, program: str = "",
+                path: str = "") -> dict[str, dict]:
+    """Check every host at once; return each one's probe (see :func:`.remote.probe`; with
+    ``program``: what it runs there with the forwarded ``path``), or raise ConfigError naming
+    every host that failed and why."""
     def one(host: Host) -> dict:
-        argv = ssh.argv(host, [python, "-m", REMOTE_MODULE, "--probe"])
+        which = ["--which", program, path] if program else []
+        argv = ssh.argv(host, [python, "-m", REMOTE_MODULE, "--probe", *which])
         try:
             done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=PROBE_SECONDS)
@@ -109,9 +119,13 @@ def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str) -> dict[str
             hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m {REMOTE_MODULE} failed)"
             raise ConfigError(f"{host.target}{hint}: {why}")
         try:
-            return json.loads(done.stdout.strip().splitlines()[-1])
+            answer = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             raise ConfigError(f"{host.target}: unexpected answer to the check: {done.stdout[-200:]!r}") from None
+        if program and not answer.get("program"):
+            raise ConfigError(f"{host.target}: {program!r} is not found there with the PATH forwarded from here "
+                              f"({path or 'none'})")
+        return answer
 
     failures = []
     answers: dict[str, dict] = {}
@@ -188,7 +202,10 @@ class SshBackend(Backend):
         common = forwarded_env(self.env, self.forward)
         self.secret = job_secret(self.env)
         self.cwd = os.getcwd()
-        probes = probe_hosts([p.host for p in self.placements], self.ssh, self.python)
+        probes = probe_hosts([p.host for p in self.placements], self.ssh, self.python, command[0],
+                             common.get("PATH", ""))
+        runs = sorted({f"{answer['program']} on {address}" for address, answer in probes.items()})
+        note(f"the command runs {', '.join(runs)}")
         first = self.placements[0].host.address
         root_port = int(self.env["DMLC_PS_ROOT_PORT"]) if self.env.get("DMLC_PS_ROOT_PORT") else int(
             probes[first]["port"])
