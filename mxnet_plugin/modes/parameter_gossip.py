@@ -120,7 +120,8 @@ class ParameterGossip:
                              f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
         args = {**self.averager_args, "graph": self.graph_spec}
         self.averager_args["graph"] = GossipAverager.check_arguments(core.size(), **args)
-        self.direct = self._mixes_in_place()
+        self.direct = self._mixes_in_place()  # the new size's graph may be regular or not
+        self.layout = {}  # built again for it
         self.averager = None
         self.written = None
 
