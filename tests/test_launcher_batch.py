@@ -212,3 +212,22 @@ def test_real_srun(job):
     assert parse_sums(out, node[1]) == {rank: (rank, 3, [3.0, 3.0, 3.0]) for rank in range(3)}, out + err
     assert f"slurm task 0 of 3: 1 node(s), 1 server(s), scheduler at 127.0.0.1:{port}" in err
     job.assert_nothing_left()
+
+
+@pytest.mark.timeout(30)
+def test_a_scheduler_port_in_use_is_named_with_what_to_do(tmp_path):
+    """Issue 23, item 5: every task of a step derives the same scheduler port, so the scheduler
+    cannot move to another one alone; when the port is taken (another job or step on the node) it
+    says which port and what to set, and exits 2 at once."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+               "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "BPS_GOSSIP_SECRET": "0123456789abcdef" * 2}
+        done = subprocess.run([sys.executable, "-m", "bps_gossip.scheduler"], env=env, capture_output=True,
+                              text=True, timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert f"(127.0.0.1:{port})" in done.stderr and "export DMLC_PS_ROOT_PORT=<a free port>" in done.stderr, done.stderr

@@ -3,6 +3,7 @@ and the end of the job."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -386,7 +387,10 @@ def _run() -> int:
         print(f"bps_gossip scheduler: {exc}", file=sys.stderr)
         return 2
     except zmq.ZMQError as exc:
-        print(f"bps_gossip scheduler: cannot bind DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT: {exc}", file=sys.stderr)
+        taken = ("; another job or job step uses this port: export DMLC_PS_ROOT_PORT=<a free port>"
+                 if exc.errno == errno.EADDRINUSE else "")
+        print(f"bps_gossip scheduler: cannot bind DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT "
+              f"({config.root_uri}:{config.root_port}): {exc}{taken}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
