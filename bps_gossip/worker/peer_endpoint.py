@@ -54,10 +54,15 @@ class PeerEndpoint:
 
     def new_generation(self, book: Book) -> None:
         """Open the channel of ``book``'s generation and hand it what came early."""
+        kept = {}
         if self.channel is not None:
+            kept = self.channel.connections()  # the same peers keep their connections
             self.channel.close()
+        addresses = {w["addr"] for w in book.workers}
+        for addr in [a for a in kept if a not in addresses]:  # peers no longer in the job
+            kept.pop(addr).close()
         self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config, self.log,
-                                   book.generation)
+                                   book.generation, kept)
         self.channel.pool = self.segments
         self.generation = book.generation
         early, self._early = self._early, []

@@ -60,7 +60,8 @@ class PeerChannel:
     """Sends to and collects from other workers; every method runs on the engine thread."""
 
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
-                 config: Config, log: Any, generation: int = 0) -> None:
+                 config: Config, log: Any, generation: int = 0,
+                 connections: dict[str, zmq.Socket] | None = None) -> None:
         self.ctx = ctx
         self.uid = uid
         self.config = config
@@ -73,6 +74,10 @@ class PeerChannel:
         self.log = log
         self.generation = generation  # stamped on every message: a new generation ignores old rounds
         self.dealers: dict[int, zmq.Socket] = {}
+        # The previous generation's DEALERs by peer address, used again for the same peers: a new
+        # connection would present this worker's routing id while the peer may still hold the old
+        # one, and a ROUTER drops a connection whose id is in use (no handover), with what it carried.
+        self.spare: dict[str, zmq.Socket] = dict(connections or {})
         self.inbox: dict[tuple[str, int], dict[int, Filed]] = {}
         self.waits: list[PeerWait] = []
         self.lost: dict[int, str] = {}
@@ -133,8 +138,11 @@ class PeerChannel:
     def _send(self, dst: int, msg: Gossip | GossipAck, frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
-            sock = open_socket(self.ctx, SocketRole.TO_PEER, self.config, self.uid)
-            sock.connect(self.workers[dst]["addr"])
+            addr = self.workers[dst]["addr"]
+            sock = self.spare.pop(addr, None)
+            if sock is None:
+                sock = open_socket(self.ctx, SocketRole.TO_PEER, self.config, self.uid)
+                sock.connect(addr)
             self.dealers[dst] = sock
         send(sock, msg, frames)
 
@@ -277,12 +285,20 @@ class PeerChannel:
         for wait in list(self.waits):
             self._fail(wait, error)
 
+    def connections(self) -> dict[str, zmq.Socket]:
+        """Hand over the DEALERs by peer address (for the next generation's channel): close()
+        leaves them open."""
+        handed = {**self.spare, **{self.workers[dst]["addr"]: sock for dst, sock in self.dealers.items()}}
+        self.dealers, self.spare = {}, {}
+        return handed
+
     def close(self) -> None:
         """Close the DEALERs (each lingers briefly so its last messages go out); unmap peers'
         segments; unlink ours that were never acknowledged (they are never reused)."""
-        for sock in self.dealers.values():
+        for sock in [*self.dealers.values(), *self.spare.values()]:
             sock.close()
         self.dealers.clear()
+        self.spare.clear()
         self.attached.close()
         for _, key, segment in self.in_flight.values():
             self.pool.release(key, segment, reusable=False)

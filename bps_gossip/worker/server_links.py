@@ -81,15 +81,23 @@ class ServerLinks:
         host_changed = self.hosts.connect(book)
         if self.addresses == book.servers:
             return host_changed
-        self._close_servers()
+        # A server that stays keeps its connection: a new one would present this worker's routing
+        # id while the server may still hold the old connection, and a ROUTER drops a connection
+        # whose id is in use (no handover: issue 22), with what was sent on it.
+        kept = dict(zip(self.addresses, self.sockets))
+        self.sockets, self._handlers = [], []
         here = f"tcp://{self.config.node_host}"
         self.shm_servers = frozenset(index for index, addr in enumerate(book.servers)
                                      if self.segments is not None and endpoint_host(addr) == here)
         for index, addr in enumerate(book.servers):
-            sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)
-            sock.connect(addr)
+            sock = kept.pop(addr, None)
+            if sock is None:
+                sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, self.uid)
+                sock.connect(addr)
             self.sockets.append(sock)
             self._handlers.append(self._table(index))
+        for sock in kept.values():  # servers no longer in the job
+            sock.close(linger=0)
         self.addresses = list(book.servers)
         return True
 
