@@ -134,3 +134,21 @@ def test_lost_server_fails_what_needs_it(servers):
     with pytest.raises(PeerLostError):
         later.handle.result(0)
     assert not socks[0].poll(100)
+
+
+def test_a_server_that_stays_keeps_its_connection(servers):
+    """A new generation without one of the servers: the worker keeps its connection to the other
+    (a new one would present the same routing id while the server may still hold the old one, and a
+    ROUTER without handover drops it with what was sent on it: a push was lost in an elastic job),
+    closes the one to the server that left, and a push of the new generation arrives."""
+    socks, addrs = servers
+    links = make_links(addrs, nservers=2)
+    first, second = links.sockets
+    book = Book(rank=0, size=1, local_rank=0, local_size=1, generation=2, servers=[addrs[1]], workers=[])
+    assert links.connect(book)
+    assert links.sockets == [second] and first.closed and not second.closed
+    links.enqueue(make_op("after", np.ones(4, np.float32)))
+    links.dispatch()
+    [(route, header, _)] = receive_all(socks[1], 1)
+    assert route == b"worker-test" and header["name"] == "after" and header["gen"] == 2
+    links.close()
