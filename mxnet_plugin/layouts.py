@@ -63,13 +63,6 @@ def holds_onednn_layout(array: mx.nd.NDArray) -> bool:
     return False
 
 
-def idle_view(array: mx.nd.NDArray) -> np.ndarray:
-    """A writable view of the memory of an array nothing in MXNet's engine is using (after
-    a wait for it), reordered to the default layout first if it held a oneDNN one."""
-    make_default(array)
-    return _pointer_view(array)
-
-
 def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
     """A writable numpy view of ``array``'s memory: no wait, no copy.
 
@@ -87,9 +80,10 @@ def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
 
 
 class IdleViews:
-    """:func:`idle_view` for arrays read or written every step, one slot each (a parameter's
-    copy): the slot's view is made again only when it holds another array or the array's
-    memory moved.
+    """Writable views of the memory of arrays nothing in MXNet's engine is using (after a wait
+    for it), reordered to the default layout first if one held a oneDNN layout; for arrays read
+    or written every step, one slot each (a parameter's copy): the slot's view is made again
+    only when it holds another array or the array's memory moved.
 
     Making a view costs a dozen C calls (shape, size, dtype, pointer); on networks of a
     hundred small tensors (mobilenet) that was over a millisecond a step. A hit costs one:

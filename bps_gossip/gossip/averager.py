@@ -117,9 +117,13 @@ class GossipAverager:
         if tracer is None or not tracer.traced(rnd):
             self._round()
             return
-        with tracer.span(f"gossip.{self.tag}", "total"):
+        with self._span(tracer, "total"):
             self._round(tracer)
         tracer.finished(rnd)
+
+    def _span(self, tracer: Any, stage: str) -> Any:
+        """A trace event of ``stage`` of this gossip round around a ``with`` block (none untraced)."""
+        return contextlib.nullcontext() if tracer is None else tracer.span(f"gossip.{self.tag}", stage)
 
     def _round(self, tracer: Any = None) -> None:
         """One round (``tracer``: record its stages)."""
@@ -128,7 +132,7 @@ class GossipAverager:
                 self._absorb(self.open.popleft(), tracer)
         # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
         # over x; an open round must take it now, before x changes.
-        with tracer.span(f"gossip.{self.tag}", "SEND") if tracer is not None else contextlib.nullcontext():
+        with self._span(tracer, "SEND"):
             pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight,
                                                        defer_scaling=not self.overlap)
         self.rnd += 1
@@ -138,7 +142,7 @@ class GossipAverager:
             self._absorb(pending, tracer)
 
     def _absorb(self, pending: PendingRound, tracer: Any = None) -> None:
-        with tracer.span(f"gossip.{self.tag}", "MIX") if tracer is not None else contextlib.nullcontext():
+        with self._span(tracer, "MIX"):
             self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
 
     def flush(self) -> None:

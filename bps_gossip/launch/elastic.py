@@ -133,10 +133,11 @@ def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
 def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None = None) -> int:
     """``bpslaunch --join``: one worker process that joins the running elastic job at ``root``
     (HOST:PORT, default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT). Returns its exit code."""
-    child_env = join_env(root, os.environ if env is None else env)
+    given = os.environ if env is None else env
+    child_env = join_env(root, given)
     check_command(command, child_env)
-    found = "" if child_env.get("BPS_GOSSIP_SECRET_FILE") == (env or os.environ).get("BPS_GOSSIP_SECRET_FILE") \
-        else f", with the job's secret from {child_env['BPS_GOSSIP_SECRET_FILE']}"
+    secret_file = child_env.get("BPS_GOSSIP_SECRET_FILE")
+    found = "" if secret_file == given.get("BPS_GOSSIP_SECRET_FILE") else f", with the job's secret from {secret_file}"
     print(f"bpslaunch: joining the elastic job at {child_env.get('DMLC_PS_ROOT_URI', '127.0.0.1')}:"
           f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit{found})", file=sys.stderr, flush=True)
     with Supervisor() as sup:

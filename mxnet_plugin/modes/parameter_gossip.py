@@ -82,8 +82,7 @@ class ParameterGossip:
         """Whether the averager's x can be the parameters' own memory (no copies in or out):
         uncompressed, w always 1 and no round left open, few enough arrays for one message."""
         args = self.averager_args
-        floats = [param for param in self.params if np.dtype(param.dtype).kind == "f"]
-        return (self.compression is None and 0 < len(floats) <= MAX_ARRAYS
+        return (self.compression is None and 0 < len(self._gossiped()) <= MAX_ARRAYS
                 and GossipAverager.model_is_x(args["graph"], args["push_sum"], args["overlap"]))
 
     def _mix_in_place(self) -> None:
@@ -105,8 +104,12 @@ class ParameterGossip:
             for index, copy in enumerate(copies[1:], 1):
                 np.copyto(self.views.flat((param, index), copy), x[key])
 
+    def _gossiped(self) -> list[tuple[mx.gluon.Parameter, int]]:
+        """(parameter, size) of every floating-point parameter, in the trainer's order."""
+        return [(param, int(np.prod(param.shape))) for param in self.params if np.dtype(param.dtype).kind == "f"]
+
     def _build_layout(self) -> None:
-        floats = [(param, int(np.prod(param.shape))) for param in self.params if np.dtype(param.dtype).kind == "f"]
+        floats = self._gossiped()
         self.layout = _flat_layout(floats)
         if self.direct:
             self.large = [(str(index), param) for index, (param, size) in enumerate(floats) if size >= IN_PLACE_ELEMENTS]
