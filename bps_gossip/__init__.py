@@ -16,6 +16,7 @@ from .api import (
     rank,
     reset,
     server_stats,
+    shared_buffer,
     shutdown,
     size,
 )
@@ -45,5 +46,5 @@ __all__ = [
     "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "TensorMismatchError",
     "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check", "declare", "generation",
     "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size", "poll", "push_pull",
-    "push_pull_async", "rank", "reset", "server_stats", "shutdown", "size", "synchronize",
+    "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown", "size", "synchronize",
 ]

@@ -12,6 +12,8 @@ import atexit
 import sys
 from typing import Any
 
+import numpy as np
+
 from . import runtime as _state
 from .collectives import (  # noqa: F401 - the API's collectives, importable from here too
     broadcast,
@@ -118,6 +120,24 @@ def declare(name: str) -> int:
     """Declare a tensor name and return its key. Optional: collectives declare implicitly,
     and the order of declarations does not matter (keys come from the names)."""
     return _rt("declare()").declare(name)
+
+
+def shared_buffer(nbytes: int) -> np.ndarray | None:
+    """``nbytes`` of this worker's shared memory (a uint8 array that stays mapped while the process
+    lives), or None where the job does not use shared memory (BPS_GOSSIP_SHM=0, no /dev/shm, a
+    worker alone).
+
+    An in-place push_pull (``out`` is the tensor) of an array that lies in it goes to servers and
+    the host's leader on this host without a copy in or out: they read it there and write the sum
+    back there. Like any push_pull's tensor it must not be changed while the push_pull runs. If
+    one fails, the buffer stays usable memory but later push_pulls from it copy (a late write from
+    a server must not land in memory that is in use again): ask for a new buffer to get that back.
+    """
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise ValueError(f"shared_buffer(): nbytes must be a positive int, not {nbytes!r}")
+    runtime = _rt("shared_buffer()")
+    pool = runtime.engine.segments if runtime.engine is not None else None
+    return pool.lease(nbytes) if pool is not None else None
 
 
 def _ask(where: str, command: type, empty: Any) -> Any:

@@ -29,6 +29,7 @@ from bps_gossip.compat import zip_exact
 
 from .layouts import make_default, raw_view
 from .overlap import _rounds, poison, run_push_pull
+from .shared_gradients import contiguous_span
 
 SMALL_BYTES = 256 * 1024  # gradients up to this size are fused
 BUCKET_BYTES = 4 * 1024 * 1024  # a bucket is cut once it holds this much
@@ -132,8 +133,14 @@ def push_pull_fused_in_engine(members: list[list[mx.nd.NDArray]], name: str, lay
     where = f"push_pull({name!r})"
     views: list[np.ndarray] = []
 
+    spans: list[np.ndarray] = []  # the members' own memory, where they lie back to back (shared gradients)
+
     def start() -> Future:
         views.extend(raw_view(array, where).reshape(-1) for array in totals)
+        span = contiguous_span(views)
+        if span is not None:
+            spans.append(span)
+            return core.push_pull_async(span, name, average=average, priority=priority, out=span, layout=layout)
         flat = _buffer(name, sum(v.size for v in views), views[0].dtype)
         offset = 0
         for view in views:  # gather (the engine lets us read and write every member now)
@@ -142,6 +149,8 @@ def push_pull_fused_in_engine(members: list[list[mx.nd.NDArray]], name: str, lay
         return core.push_pull_async(flat, name, average=average, priority=priority, out=flat, layout=layout)
 
     def finish(ok: bool) -> None:
+        if ok and spans:
+            return  # summed in place
         flat = _buffers.get(name)
         offset = 0
         for view in views:  # scatter the sums, or poison every member

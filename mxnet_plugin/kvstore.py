@@ -137,12 +137,12 @@ class BpsGossip(mx.kvstore.KVStoreBase):
             return
         self._pushpull_on_host([(k, values[k], dests, priority) for k, dests in targets])
 
-    def pushpull_step(self, calls: list[Call]) -> None:
+    def pushpull_step(self, calls: list[Call], owners: list[mx.gluon.Parameter] | None = None) -> None:
         """Sum each ``(key, arrays, priority)`` over workers in place: a whole step's gradients, as
         gluon.Trainer and Module hand them over, fused into few messages when summing in
-        MXNet's engine."""
+        MXNet's engine (``owners``: gluon.Trainer's parameters of the gradients, see StepFusion)."""
         if self.overlap_backward:
-            self._fusion.pushpull(calls)
+            self._fusion.pushpull(calls, owners)
         else:
             self._pushpull_on_host([(key, arrays, arrays, priority) for key, arrays, priority in calls])
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, List, Tuple
 import mxnet as mx
 
 from .fusion import cut_buckets, layout_text, nbytes_of, push_pull_fused_in_engine
+from .shared_gradients import share_gradients
 
 Call = Tuple[Any, List[mx.nd.NDArray], int]  # (key, this worker's arrays of it, priority), summed in place
 PushAlone = Callable[[Any, List[mx.nd.NDArray], int], None]
@@ -41,11 +42,20 @@ class StepFusion:
         self.signature: tuple = ()  # ((key, arrays), ...) of the planned calls
         self.buckets: list[tuple[list[int], str, str]] = []  # (call indices, name, layout)
         self.alone: list[int] = []
+        self.shared = False  # whether gradients were offered to shared memory (once)
 
-    def pushpull(self, calls: list[Call]) -> None:
-        """Sum every call's arrays over workers, in place, fused where small (returns at once)."""
+    def pushpull(self, calls: list[Call], owners: list[mx.gluon.Parameter] | None = None) -> None:
+        """Sum every call's arrays over workers, in place, fused where small (returns at once).
+        ``owners``, the gluon parameters whose gradients the calls are (one each), lets the
+        first step move the gradients into shared memory, laid out as planned."""
         if not self._same_calls(calls):
             self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
+            if owners is not None and not self.shared:
+                self.shared = True
+                share_gradients([[owners[i] for i in indices] for indices, _, _ in self.buckets]
+                                + [[owners[i]] for i in self.alone])
+                calls = [(key, owner.list_grad(), priority) for (key, _, priority), owner in zip(calls, owners)]
+                self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
         for indices, name, layout in self.buckets:
             if len(indices) == 1:
                 key, arrays, priority = calls[indices[0]]
@@ -100,7 +110,7 @@ def teach_trainer_and_module(store_type: type) -> None:
                 trained = [(i, p) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
                 if all(_dense_gradient(p) for _, p in trained):
                     calls = [(i, p.list_grad(), -i) for i, p in trained]
-                    store.pushpull_step(calls)
+                    store.pushpull_step(calls, owners=[p for _, p in trained])
                     return
             allreduce(trainer)
 

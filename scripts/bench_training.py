@@ -56,10 +56,13 @@ from bps_gossip.compat import zip_exact
 REFERENCE = "mxnet dist_sync"
 CEILING = "no communication"  # every worker trains alone, all at once: what communication can approach
 NO_OVERLAP = {"BPS_GOSSIP_OVERLAP_BACKWARD": "0"}  # push_pull waited for and copied by the caller
+COPIED = {"BPS_GOSSIP_SHM_GRADIENTS": "0"}  # MXNet's own gradient arrays, copied to and from shared memory
 SYSTEMS = [
     System("ours allreduce", "bps", mode="allreduce"),
+    System("ours allreduce, copied gradients", "bps", env=COPIED, mode="allreduce"),
     System("ours allreduce, no overlap", "bps", env=NO_OVERLAP, mode="allreduce"),
     System("ours kvstore", "bps", mode="kvstore"),
+    System("ours kvstore, copied gradients", "bps", env=COPIED, mode="kvstore"),
     System("ours kvstore, no overlap", "bps", env=NO_OVERLAP, mode="kvstore"),
     System("ours module", "bps", mode="module"),
     System("ours gossip", "bps", mode="gossip"),

@@ -101,6 +101,15 @@ def train(net, trainer, batch_size, steps=STEPS):
         evaluate(net)  # evaluation between steps: the next update meets oneDNN layouts
 
 
+def in_shared_memory(net):
+    """Whether every trained gradient lies in this worker's shared memory (mxnet_plugin.shared_gradients)."""
+    from bps_gossip import api
+    from mxnet_plugin.layouts import IdleViews
+    mx.nd.waitall()
+    pool, views = api._rt("cnn_job").engine.segments, IdleViews()
+    return all(pool.leased(views.flat(p.name, p.grad())) is not None for p in params(net) if p.grad_req != "null")
+
+
 def compare(got, want):
     """What differs between two lists of arrays beyond float tolerance ('' if nothing)."""
     for a, b in zip_exact(got, want):
@@ -147,7 +156,8 @@ def phase_allreduce(overlap, seed):
                                      overlap_backward=overlap)
     train(net, trainer, B)
     report({"phase": f"allreduce_overlap{int(overlap)}", "digest": digest(trained(net)),
-            "mismatch": compare(trained(net), reference(seed)), "finite": all(np.isfinite(a.asnumpy()).all() for a in statistics(net))})
+            "mismatch": compare(trained(net), reference(seed)), "shared": in_shared_memory(net),
+            "finite": all(np.isfinite(a.asnumpy()).all() for a in statistics(net))})
 
 
 def phase_kvstore(seed):
@@ -155,7 +165,7 @@ def phase_kvstore(seed):
     bps.broadcast_parameters(net.collect_params(), root_rank=0)
     trainer = gluon.Trainer(net.collect_params(), "sgd", OPTIMIZER, kvstore=mx.kv.create("bpsgossip"))
     train(net, trainer, B * size)  # dist_sync semantics: the global batch size
-    report({"phase": "kvstore", "digest": digest(trained(net)),
+    report({"phase": "kvstore", "digest": digest(trained(net)), "shared": in_shared_memory(net),
             "mismatch": compare(trained(net), reference(seed))})
 
 

@@ -57,6 +57,9 @@ def test_every_entry_point_trains_cnn(cluster, network, hybridize):
         assert results[0]["digest"] == results[1]["digest"], f"{name}: ranks differ"
         assert not results[0]["mismatch"], f"{name} differs from one process's training: {results[0]['mismatch']}"
     assert all(r["finite"] for r in phases["allreduce_overlap1"])
+    # in-engine push_pulls: the gradients were moved into shared memory and stayed there
+    assert all(r["shared"] for r in phases["allreduce_overlap1"] + phases["kvstore"])
+    assert not any(r["shared"] for r in phases["allreduce_overlap0"])
 
     gossip = phases["gossip"]
     for r in gossip:

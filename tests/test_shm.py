@@ -86,3 +86,64 @@ def test_killed_worker_leaves_no_segment(cluster):
     while _segments(str(job.port)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _segments(str(job.port)) == []
+
+
+# Two tensors in one leased buffer (the second at an odd offset), several partitions each: each
+# worker's in-place push_pulls leave the sums there, and no segment but the buffer is made.
+LEASED = '''
+import glob, os, numpy as np, bps_gossip as bps
+from bps_gossip import api
+bps.init()
+rank, size = bps.rank(), bps.size()
+buf = bps.shared_buffer(4 * 9000 + 8)
+a = np.frombuffer(buf, np.float32, count=5000, offset=0)
+b = np.frombuffer(buf, np.float32, count=4000, offset=4 * 5000 + 8)
+plain = np.arange(3000, dtype=np.float32)
+for step in range(3):
+    a[:] = np.arange(5000) * (rank + 1) + step
+    b[:] = -np.arange(4000) * (rank + 1)
+    bps.push_pull(a, "a", average=False, out=a)
+    bps.push_pull(b, "b", average=False, out=b)
+    total = sum(range(1, size + 1))
+    assert np.array_equal(a, np.arange(5000, dtype=np.float32) * total + size * step), (rank, step, a[:4])
+    assert np.array_equal(b, -np.arange(4000, dtype=np.float32) * total), (rank, step, b[:4])
+mine = len(glob.glob(f"/dev/shm/bpsg_{os.environ['DMLC_PS_ROOT_PORT']}_{os.getpid()}_*"))
+copied = bps.push_pull(a[:100], "copied", average=False)  # out of place: staged as before
+assert np.array_equal(copied, a[:100] * size)
+after = len(glob.glob(f"/dev/shm/bpsg_{os.environ['DMLC_PS_ROOT_PORT']}_{os.getpid()}_*"))
+report({"leased": mine, "after": after, "hosting": api._rt("t").engine.servers.hosts.hosting})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("env", [{}, {"BPS_GOSSIP_HOST_REDUCE": "on"}], ids=["server", "host-leader"])
+def test_push_pulls_from_a_shared_buffer_need_no_other_segment(cluster, env):
+    job = cluster(3, env={"BPS_GOSSIP_SHM": "1", "BYTEPS_PARTITION_BYTES": "4096", **env})
+    done = job.run_workers(LEASED)
+    assert_all_ok(done, job)
+    results = [f.result for f in done]
+    assert all(r["hosting"] == bool(env) for r in results), results
+    # one segment each (the buffer), before an out-of-place push_pull stages one more
+    assert all(r["leased"] == 1 and r["after"] == 2 for r in results), results
+    job.wait_servers_exit()
+    assert _segments(str(job.port)) == []
+
+
+@pytest.mark.timeout(60)
+def test_shared_buffer_refuses_a_bad_size(cluster):
+    job = cluster(1, env={"BPS_GOSSIP_SHM": "1", "BYTEPS_FORCE_DISTRIBUTED": "1"})
+    done = job.run_workers('''
+        import bps_gossip as bps
+        bps.init()
+        errors = []
+        for bad in (0, -4, 2.5, True, "8"):
+            try:
+                bps.shared_buffer(bad)
+            except ValueError as exc:
+                errors.append(str(exc))
+        report(errors)
+        bps.shutdown()
+    ''')
+    assert_all_ok(done, job)
+    assert len(done[0].result) == 5 and "positive int" in done[0].result[0]

@@ -19,6 +19,7 @@ what it does not own (NOTES: Python 3.11 otherwise unlinks on exit).
 from __future__ import annotations
 
 import _posixshmem
+import ctypes
 import os
 import threading
 import uuid
@@ -74,12 +75,14 @@ class OwnedSegment:
         """A numpy view of ``count`` items at byte ``offset``."""
         return np.ndarray((count,), dtype=dtype, buffer=self.shm.buf, offset=offset)
 
-    def unlink(self) -> None:
-        """Close and remove the segment (safe to call twice)."""
+    def unlink(self, keep_mapping: bool = False) -> None:
+        """Close and remove the segment (safe to call twice); ``keep_mapping``: remove the name
+        only, the memory stays mapped here (arrays outside Python's knowledge point into it)."""
         if self.shm is None:
             return
         try:
-            self.shm.close()
+            if not keep_mapping:
+                self.shm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
         try:
@@ -176,14 +179,55 @@ def shm_available() -> bool:
 
 class SegmentPool:
     """A worker's segments, reused per tensor name; thread-safe (API threads acquire,
-    the engine thread releases)."""
+    the engine thread releases).
+
+    A segment can also be leased: it becomes memory its holder keeps (MXNet gradients made
+    over it, see bps_gossip.shared_buffer), and a push_pull whose payload lies in it sends
+    and receives in place, without a copy in or out (:meth:`leased`). Its mapping is never
+    closed in this process (the holder's arrays point into it); a lease ends with the pool
+    or when an operation on it fails (a server's late write must not land in memory that is
+    in use again: :meth:`revoke`), after which push_pulls from it copy as from any memory.
+    """
 
     def __init__(self, job: str) -> None:
         _start_tracker_here()
         self.job = job
         self._free: dict[str, list[OwnedSegment]] = {}
         self._all: set[OwnedSegment] = set()
+        self._leases: dict[int, tuple[int, OwnedSegment]] = {}  # start address -> (end address, segment)
+        self._leased: set[OwnedSegment] = set()  # every segment ever leased: never unmapped
         self._lock = threading.Lock()
+
+    def lease(self, nbytes: int) -> np.ndarray:
+        """A new segment of ``nbytes`` as a uint8 array that stays mapped for the process's life."""
+        segment = OwnedSegment(self.job, nbytes)
+        memory = segment.view(np.dtype(np.uint8), nbytes)
+        # Never unmapped, even when the pool or the interpreter goes: MXNet arrays made over it
+        # are freed at times of MXNet's choosing and may still be written to until then.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(segment.shm))
+        start = memory.__array_interface__["data"][0]
+        with self._lock:
+            self._leased.add(segment)
+            self._leases[start] = (start + nbytes, segment)
+        return memory
+
+    def leased(self, array: np.ndarray) -> tuple[OwnedSegment, int] | None:
+        """The leased segment ``array``'s memory lies in, and the byte offset it starts at, or None."""
+        if not self._leases or not array.size or not array.flags.c_contiguous:
+            return None
+        start = array.__array_interface__["data"][0]
+        end = start + array.nbytes
+        with self._lock:
+            for base, (limit, segment) in self._leases.items():
+                if base <= start and end <= limit:
+                    return segment, start - base
+        return None
+
+    def revoke(self, segment: OwnedSegment) -> None:
+        """End a lease: the segment's name goes (no server attaches to it again); the memory stays."""
+        with self._lock:
+            self._leases = {base: entry for base, entry in self._leases.items() if entry[1] is not segment}
+        segment.unlink(keep_mapping=True)
 
     def acquire(self, name: str, nbytes: int) -> OwnedSegment:
         """A segment of at least ``nbytes`` not used by any pending operation."""
@@ -210,6 +254,9 @@ class SegmentPool:
     def close(self) -> None:
         """Unlink every segment."""
         with self._lock:
-            segments, self._all, self._free = self._all, set(), {}
+            segments, self._all, self._free, self._leases = self._all, set(), {}, {}
+            leased = list(self._leased)
         for segment in segments:
             segment.unlink()
+        for segment in leased:
+            segment.unlink(keep_mapping=True)

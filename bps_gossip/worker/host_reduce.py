@@ -187,7 +187,7 @@ class HostRounds:
         op, part = rnd.own
         offset, count = op.parts[part]
         if count:
-            mine = op.segment.view(op.send.dtype, count, offset * op.send.dtype.itemsize)
+            mine = op.region(offset, count)
             for local in rnd.locals.values():
                 np.add(mine, local.region, out=mine)
         rnd.sent = rnd.own_done = True

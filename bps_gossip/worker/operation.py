@@ -31,11 +31,18 @@ class Operation:
     deadline: float = 0.0
     reqs: set[int] = dataclasses.field(default_factory=set)
     segment: OwnedSegment | None = None  # holds a copy of `send` for servers on this host
+    segment_base: int = 0  # byte offset of `send` in `segment` (a leased segment: `send` lies in it)
+    leased: bool = False  # `segment` is memory the caller holds (SegmentPool.lease): no copies, not released
     codecs: list[dict[str, Any]] | None = None  # compressed: each partition's codec, for the server
     traced: bool = False  # BYTEPS_TRACE_ON and a traced step: stamps[part] is when its stage began
     submitted: float = 0.0
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
     host_rounds: dict[int, Any] | None = None  # a host leader: its partitions' host rounds (worker.host_reduce)
+
+    def region(self, offset: int, count: int) -> np.ndarray:
+        """The shared-memory view of ``count`` items of the payload from item ``offset``."""
+        itemsize = self.send.dtype.itemsize
+        return self.segment.view(self.send.dtype, count, self.segment_base + offset * itemsize)
 
     def servers(self, nservers: int) -> set[int]:
         """The servers this operation's partitions go to ((key + partition) mod servers)."""

@@ -42,6 +42,12 @@ LEADER = -1  # the target of a local's pushes: its host leader, not a server
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are the same items in the same memory (an in-place push_pull)."""
+    return (a.dtype == b.dtype and a.size == b.size
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
 class ServerLinks:
     """Every connection to a server and the partitions in flight on them (module docstring)."""
 
@@ -146,6 +152,11 @@ class ServerLinks:
         self._stage(op)
 
     def _stage(self, op: Operation) -> None:
+        lease = self.segments.leased(op.send)
+        if lease is not None and same_memory(op.send, op.out):
+            op.segment, op.segment_base = lease  # the payload is in shared memory already: sent in place
+            op.leased = True
+            return
         op.segment = self.segments.acquire(op.name, op.send.nbytes)
         if op.send.size:
             op.segment.view(op.send.dtype, op.send.size)[:] = op.send
@@ -238,10 +249,10 @@ class ServerLinks:
         sock = self.hosts.sock if target == LEADER else self.sockets[server]
         if op.segment is not None and (target == LEADER or server in self.shm_servers):
             header["shm"] = op.segment.name
-            header["offset"] = offset * op.send.dtype.itemsize
+            header["offset"] = op.segment_base + offset * op.send.dtype.itemsize
             send_message(sock, header)
         elif op.segment is not None and op.host_rounds:  # a leader's sum is in its segment
-            send_message(sock, header, (op.segment.view(op.send.dtype, count, offset * op.send.dtype.itemsize),))
+            send_message(sock, header, (op.region(offset, count),))
         else:
             send_message(sock, header, (op.send[offset:offset + count],))
 
@@ -280,7 +291,8 @@ class ServerLinks:
         if op.traced:
             self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
         if count and msg.shm:
-            op.out[offset:offset + count] = op.segment.view(op.out.dtype, count, offset * op.out.dtype.itemsize)
+            if not op.leased:  # a leased segment is op.out itself: the sum is in place
+                op.out[offset:offset + count] = op.region(offset, count)
         elif count:
             op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
         if op.host_rounds and self.hosts.rounds is not None:  # a leader: the locals get the sum too
@@ -292,7 +304,7 @@ class ServerLinks:
 
     def _finish(self, op: Operation) -> None:
         self.pending.discard(op)
-        if op.segment is not None:
+        if op.segment is not None and not op.leased:
             self.segments.release(op.name, op.segment)
         try:
             if op.finish is not None:
@@ -322,9 +334,11 @@ class ServerLinks:
         self.pending.discard(op)
         if op.host_rounds and self.hosts.rounds is not None:
             self.hosts.rounds.op_failed(op, error)
-        if op.segment is not None:
+        if op.leased:
+            self.segments.revoke(op.segment)
+        elif op.segment is not None:
             self.segments.release(op.name, op.segment, reusable=False)
-            op.segment = None
+        op.segment = None
         for req in op.reqs:
             self._reqs.pop(req, None)
         op.reqs.clear()

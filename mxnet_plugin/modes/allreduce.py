@@ -26,6 +26,7 @@ import bps_gossip as core
 from ..fusion import Bucket, PlannedBucket, plan_buckets
 from ..ops import finish_push_pull, push_pull_async, to_device, to_host
 from ..overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
+from ..shared_gradients import share_gradients
 from .base import ModeSetup, TrainerMode
 
 
@@ -118,6 +119,9 @@ class AllreduceMode(TrainerMode):
     def _push_pull_in_engine(self) -> None:
         if self.buckets is None:  # grad_req and devices are settled by the first step
             buckets, self.alone = plan_buckets(self.ready_order)
+            # each bucket's gradients back to back in shared memory: push_pull copies nothing
+            share_gradients([[param for _, param in bucket] for bucket in buckets]
+                            + [[param] for _, param in self.alone])
             self.buckets = [PlannedBucket(bucket) for bucket in buckets]
         for bucket in self.buckets:  # small gradients: one message per bucket (fusion.py)
             bucket.push_pull_in_engine()

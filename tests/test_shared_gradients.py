@@ -1,0 +1,100 @@
+"""Gradients in shared memory (mxnet_plugin.shared_gradients): gluon.Trainer with the 'bpsgossip'
+KVStore and DistributedTrainer's allreduce mode move the trained gradients into the worker's
+shared memory at their first step, so push_pulls to a server on this host copy nothing in or out.
+The weights are bit for bit those of MXNet's own gradient arrays (BPS_GOSSIP_SHM_GRADIENTS=0)."""
+
+from __future__ import annotations
+
+import pytest
+from cluster import assert_all_ok
+
+JOB = '''
+import hashlib, mxnet as mx, numpy as np
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+import mxnet_plugin as bps
+from bps_gossip import api
+from mxnet_plugin.layouts import IdleViews
+
+bps.init()
+rank, size = bps.rank(), bps.size()
+pool = api._rt("test").engine.segments
+
+
+def build():
+    mx.random.seed(5)
+    net = nn.HybridSequential()
+    # a large weight (sent alone), small ones (fused), BatchNorm (running statistics not trained)
+    net.add(nn.Dense(300, in_units=400), nn.BatchNorm(), nn.Activation("relu"), nn.Dense(10, in_units=300))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def run(make_trainer, batch):
+    net = build()
+    trainer = make_trainer(net)
+    rs = np.random.RandomState(rank)
+    for step in range(4):
+        x, y = mx.nd.array(rs.uniform(-1, 1, (8, 400))), mx.nd.array(rs.randint(0, 10, 8))
+        with autograd.record():
+            loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+        loss.backward()
+        trainer.step(batch)
+        net(x).wait_to_read()  # an inference forward between steps
+    mx.nd.waitall()
+    views = IdleViews()
+    learned = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    shared = [pool.leased(views.flat(p.name, p.grad())) is not None for p in learned]
+    digest = hashlib.sha256(b"".join(p.data().asnumpy().tobytes() for p in learned)).hexdigest()
+    return {"digest": digest, "shared": shared}
+
+
+out = {
+    "allreduce": run(lambda net: bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                                         mode="allreduce"), 8),
+    "kvstore": run(lambda net: gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                             kvstore=mx.kv.create("bpsgossip")), 8 * size),
+}
+# gradients the worker staged (copied into a segment of the pool's own), by tensor name (a key the
+# KVStore sends alone has its broadcast's name, which is staged: only fused keys are told apart)
+out["staged"] = sorted(name for name in pool._free if "gradient" in name or "fused" in name)
+report(out)
+bps.shutdown()
+'''
+
+
+def _run(cluster, flag: str) -> list[dict]:
+    job = cluster(2, env={"BPS_GOSSIP_SHM": "1", "BPS_GOSSIP_SHM_GRADIENTS": flag})
+    done = job.run_workers(JOB, timeout=100)
+    assert_all_ok(done, job)
+    job.wait_servers_exit()
+    return [f.result for f in done]
+
+
+@pytest.mark.timeout(240)
+def test_gradients_in_shared_memory_are_sent_in_place_with_the_same_results(cluster):
+    shared, copied = _run(cluster, "1"), _run(cluster, "0")
+    for mode in ("allreduce", "kvstore"):
+        assert all(all(r[mode]["shared"]) and len(r[mode]["shared"]) == 6 for r in shared), shared
+        assert not any(any(r[mode]["shared"]) for r in copied), copied
+        # the same bits on every rank and with MXNet's own gradient arrays
+        assert len({r[mode]["digest"] for r in shared + copied}) == 1, (shared, copied)
+    assert all(r["staged"] == [] for r in shared), shared  # nothing copied into another segment
+    assert all(r["staged"] for r in copied), copied
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_switch_is_refused(cluster):
+    job = cluster(1, env={"BPS_GOSSIP_SHM_GRADIENTS": "maybe"})
+    done = job.run_workers('''
+        import mxnet_plugin.shared_gradients as shared
+        import bps_gossip as core
+        try:
+            shared.enabled()
+            report("accepted")
+        except core.ConfigError as exc:
+            report(str(exc))
+    ''')
+    assert_all_ok(done, job)
+    assert "BPS_GOSSIP_SHM_GRADIENTS='maybe'" in done[0].result
