@@ -22,15 +22,29 @@ server's mismatch error (the layout travels with the push).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Tuple
 
 import mxnet as mx
 
 from .fusion import cut_buckets, layout_text, nbytes_of, push_pull_fused_in_engine
-from .shared_gradients import share_gradients
+from .shared_gradients import share_gradients, share_module_gradients
 
 Call = Tuple[Any, List[mx.nd.NDArray], int]  # (key, this worker's arrays of it, priority), summed in place
 PushAlone = Callable[[Any, List[mx.nd.NDArray], int], None]
+
+
+def plan_calls(arrays: list[list[mx.nd.NDArray]]) -> tuple[list[list[int]], list[int]]:
+    """Each call's arrays (one per device) -> fused buckets of call indices, and the calls sent alone."""
+    return cut_buckets((index, nbytes_of(copies[0]), (copies[0].dtype, len(copies)))
+                       for index, copies in enumerate(arrays))
+
+
+def send_groups(grads: list[mx.nd.NDArray]) -> list[list[int]]:
+    """How a step of these gradients (one device each) travels: every fused bucket, then every
+    gradient sent alone, as indices (for laying them out in shared memory that way)."""
+    buckets, alone = plan_calls([[grad] for grad in grads])
+    return buckets + [[index] for index in alone]
 
 
 class StepFusion:
@@ -77,9 +91,7 @@ class StepFusion:
         return True
 
     def _plan(self, calls: list[Call], signature: tuple) -> None:
-        entries = ((index, nbytes_of(arrays[0]), (arrays[0].dtype, len(arrays)))
-                   for index, (_, arrays, _) in enumerate(calls))
-        groups, self.alone = cut_buckets(entries)
+        groups, self.alone = plan_calls([arrays for _, arrays, _ in calls])
         self.buckets = []
         for indices in groups:
             first = calls[indices[0]][0]
@@ -116,6 +128,19 @@ def teach_trainer_and_module(store_type: type) -> None:
 
         allreduce_grads._bps_gossip = True
         mx.gluon.Trainer._allreduce_grads = allreduce_grads
+
+    init_optimizer = mx.module.Module.init_optimizer
+    if not getattr(init_optimizer, "_bps_gossip_gradients", False):
+        def init_optimizer_sharing(module: mx.module.Module, *args: Any, **kwargs: Any) -> Any:
+            result = init_optimizer(module, *args, **kwargs)
+            store = getattr(module, "_kvstore", None)
+            if isinstance(store, store_type) and store.overlap_backward:
+                share_module_gradients(module, send_groups)  # laid out as update_params sends them
+            return result
+
+        functools.update_wrapper(init_optimizer_sharing, init_optimizer)
+        init_optimizer_sharing._bps_gossip_gradients = True
+        mx.module.Module.init_optimizer = init_optimizer_sharing
 
     update = mx.model._update_params
     if getattr(update, "_bps_gossip", False):

@@ -17,6 +17,10 @@ autograd as gluon does (``autograd.mark_variables``); backward, hybridized or no
 writes into it. Nothing depends on it staying there: if a gradient moves (gluon makes new ones
 on ``reset_ctx``; an operation on it failed), push_pull copies as before.
 
+The Module API binds its gradient arrays into its executor once: when it sets up its optimizer
+with the 'bpsgossip' store, its executor (one device) is bound again over the same arrays with the
+parameters' gradients in shared memory (:func:`share_module_gradients`).
+
 ``BPS_GOSSIP_SHM_GRADIENTS=0`` keeps MXNet's own gradient arrays.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import Callable
 
 import mxnet as mx
 import numpy as np
@@ -89,13 +94,32 @@ def array_over(memory: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> m
 
 def _movable(param: mx.gluon.Parameter) -> bool:
     grads = param.list_grad()
-    return (param.grad_req != "null" and len(grads) == 1 and grads[0].context.device_type == "cpu"
-            and grads[0].stype == "default" and np.dtype(grads[0].dtype).kind in _DL_KIND)
+    return param.grad_req != "null" and len(grads) == 1 and _movable_array(grads[0])
 
 
-def _nbytes(param: mx.gluon.Parameter) -> int:
-    grad = param.list_grad()[0]
-    return int(grad.size) * np.dtype(grad.dtype).itemsize
+def _arrays_in_shared_memory(groups: list[list[mx.nd.NDArray]]) -> list[list[mx.nd.NDArray]] | None:
+    """New arrays shaped like each group's, back to back per group in one shared-memory buffer
+    (each group on a cache line), or None where the job has no shared memory."""
+    sizes = [sum(int(a.size) * np.dtype(a.dtype).itemsize for a in group) for group in groups]
+    total = sum(-(-size // ALIGN) * ALIGN for size in sizes)
+    memory = core.shared_buffer(total) if total else None
+    if memory is None:
+        return None
+    placed, start = [], 0
+    for group, size in zip(groups, sizes):
+        offset, arrays = start, []
+        for old in group:
+            nbytes = int(old.size) * np.dtype(old.dtype).itemsize
+            arrays.append(array_over(memory[offset:offset + nbytes], tuple(old.shape), np.dtype(old.dtype)))
+            offset += nbytes
+        placed.append(arrays)
+        start += -(-size // ALIGN) * ALIGN
+    return placed
+
+
+def _movable_array(grad: mx.nd.NDArray | None) -> bool:
+    return (grad is not None and grad.context.device_type == "cpu" and grad.stype == "default"
+            and np.dtype(grad.dtype).kind in _DL_KIND)
 
 
 def share_gradients(groups: list[list[mx.gluon.Parameter]]) -> int:
@@ -104,31 +128,51 @@ def share_gradients(groups: list[list[mx.gluon.Parameter]]) -> int:
     if not enabled():
         return 0
     groups = [group for group in groups if group and all(_movable(p) for p in group)]
-    sizes = [sum(_nbytes(p) for p in group) for group in groups]
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += -(-size // ALIGN) * ALIGN
-    memory = core.shared_buffer(total) if total else None
-    if memory is None:
+    placed = _arrays_in_shared_memory([[p.list_grad()[0] for p in group] for group in groups])
+    if placed is None:
         return 0
-    moved = 0
-    for group, start in zip(groups, starts):
-        offset = start
-        for param in group:
-            old = param.list_grad()[0]
-            size = _nbytes(param)
-            new = array_over(memory[offset:offset + size], tuple(old.shape), np.dtype(old.dtype))
-            old.copyto(new)  # the values of this step (queued after backward, like any operation)
+    for group, arrays in zip(groups, placed):
+        for param, new in zip(group, arrays):
+            param.list_grad()[0].copyto(new)  # the values of this step (queued after backward, like any operation)
             param._grad = [new]  # noqa: SLF001 - gluon keeps a parameter's gradients there
             data = param.list_data()
             fresh = [array._fresh_grad for array in data]  # noqa: SLF001 - marking clears it
             mx.autograd.mark_variables(data, param._grad, param.grad_req)  # noqa: SLF001
             for array, was in zip(data, fresh):
                 array._fresh_grad = was  # noqa: SLF001 - the step's gradient is in the new array
-            offset += size
-            moved += 1
-    log.debug("%d gradients (%d bytes) moved into shared memory", moved, total)
+    moved = sum(len(group) for group in groups)
+    log.debug("%d gradients moved into shared memory", moved)
+    return moved
+
+
+def share_module_gradients(module: mx.module.Module, plan: Callable[[list[mx.nd.NDArray]], list[list[int]]]) -> int:
+    """The Module API's form of :func:`share_gradients`: its executor (one device) is bound again
+    over the same arrays, with the parameters' gradients in shared memory, grouped as ``plan``
+    groups the gradients Module hands the store each step (indices into that list). Returns how
+    many gradients moved (0 with several devices, or where the job has no shared memory)."""
+    group = module._exec_group  # noqa: SLF001 - Module's executors, as MXNet keeps them
+    if not enabled() or group is None or len(group.execs) != 1 or group.grad_arrays is None:
+        return 0
+    executor = group.execs[0]
+    named = [(name, grads[0]) for name, grads in zip(group.param_names, group.grad_arrays) if grads[0] is not None]
+    if not named or not all(_movable_array(grad) for _, grad in named):
+        return 0
+    groups = plan([grad for _, grad in named])
+    placed = _arrays_in_shared_memory([[named[i][1] for i in indices] for indices in groups])
+    if placed is None:
+        return 0
+    gradients = {name: grad for name, grad in executor.grad_dict.items() if grad is not None}
+    for indices, arrays in zip(groups, placed):
+        for index, new in zip(indices, arrays):
+            name, old = named[index]
+            old.copyto(new)  # 'add' accumulates into what is there
+            gradients[name] = new
+    group.execs[0] = group.symbol.bind(executor._ctx, args=executor.arg_dict, args_grad=gradients,  # noqa: SLF001
+                                       grad_req=group.grad_req, aux_states=executor.aux_dict,
+                                       group2ctx=executor._group2ctx, shared_exec=executor)  # noqa: SLF001
+    group._collect_arrays()  # noqa: SLF001 - the group's lists of arrays, from its executors
+    moved = sum(len(indices) for indices in groups)
+    log.debug("%d Module gradients moved into shared memory", moved)
     return moved
 
 

@@ -65,6 +65,7 @@ SYSTEMS = [
     System("ours kvstore, copied gradients", "bps", env=COPIED, mode="kvstore"),
     System("ours kvstore, no overlap", "bps", env=NO_OVERLAP, mode="kvstore"),
     System("ours module", "bps", mode="module"),
+    System("ours module, copied gradients", "bps", env=COPIED, mode="module"),
     System("ours gossip", "bps", mode="gossip"),
     System("ours gossip, overlap", "bps", mode="gossip-overlap"),
     System(REFERENCE, "mxnet", mode="dist_sync"),
