@@ -94,6 +94,23 @@ def _buffer(name: str, size: int, dtype: np.dtype) -> np.ndarray:
         return flat
 
 
+def _gather(views: list[np.ndarray], flat: np.ndarray) -> np.ndarray:
+    """Copy ``views`` one after another into ``flat``; return it."""
+    offset = 0
+    for view in views:
+        flat[offset:offset + view.size] = view
+        offset += view.size
+    return flat
+
+
+def _scatter(flat: np.ndarray, views: list[np.ndarray]) -> None:
+    """Copy ``flat``'s consecutive pieces back into ``views``."""
+    offset = 0
+    for view in views:
+        view[:] = flat[offset:offset + view.size]
+        offset += view.size
+
+
 class PlannedBucket:
     """A bucket with what every step needs of it worked out once: name, layout, priority."""
 
@@ -133,32 +150,23 @@ def push_pull_fused_in_engine(members: list[list[mx.nd.NDArray]], name: str, lay
     where = f"push_pull({name!r})"
     views: list[np.ndarray] = []
 
-    spans: list[np.ndarray] = []  # the members' own memory, where they lie back to back (shared gradients)
+    in_place: list[bool] = []  # the members lie back to back (shared gradients): their memory is sent
 
     def start() -> Future:
+        # the engine lets us read and write every member now
         views.extend(raw_view(array, where).reshape(-1) for array in totals)
-        span = contiguous_span(views)
-        if span is not None:
-            spans.append(span)
-            return core.push_pull_async(span, name, average=average, priority=priority, out=span, layout=layout)
-        flat = _buffer(name, sum(v.size for v in views), views[0].dtype)
-        offset = 0
-        for view in views:  # gather (the engine lets us read and write every member now)
-            flat[offset:offset + view.size] = view
-            offset += view.size
+        flat = contiguous_span(views)
+        in_place.append(flat is not None)
+        if flat is None:
+            flat = _gather(views, _buffer(name, sum(v.size for v in views), views[0].dtype))
         return core.push_pull_async(flat, name, average=average, priority=priority, out=flat, layout=layout)
 
     def finish(ok: bool) -> None:
-        if ok and spans:
-            return  # summed in place
-        flat = _buffers.get(name)
-        offset = 0
-        for view in views:  # scatter the sums, or poison every member
-            if ok and flat is not None:
-                view[:] = flat[offset:offset + view.size]
-            else:
+        if not ok:
+            for view in views:
                 poison(view)
-            offset += view.size
+        elif not in_place[0]:
+            _scatter(_buffers[name], views)
 
     run_push_pull(name, round_id, totals, totals, priority, start, finish)
     for total, copies in zip_exact(totals, members):

@@ -113,35 +113,50 @@ def _dense_gradient(param: mx.gluon.Parameter) -> bool:
 
 def teach_trainer_and_module(store_type: type) -> None:
     """Make gluon.Trainer and Module hand a step's gradients to a ``store_type`` store in one call
-    (``store.pushpull_step(calls)``), so that it can fuse them."""
+    (``store.pushpull_step(calls)``), so that it can fuse them, and Module make its gradients in
+    shared memory when it sets up its optimizer with such a store."""
+    _teach_trainer(store_type)
+    _teach_module_gradients(store_type)
+    _teach_update_params(store_type)
+
+
+def _teach_trainer(store_type: type) -> None:
     allreduce = mx.gluon.Trainer._allreduce_grads
-    if not getattr(allreduce, "_bps_gossip", False):
-        def allreduce_grads(trainer: mx.gluon.Trainer) -> None:
-            store = trainer._kvstore
-            if isinstance(store, store_type) and not trainer._update_on_kvstore:
-                trained = [(i, p) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
-                if all(_dense_gradient(p) for _, p in trained):
-                    calls = [(i, p.list_grad(), -i) for i, p in trained]
-                    store.pushpull_step(calls, owners=[p for _, p in trained])
-                    return
-            allreduce(trainer)
+    if getattr(allreduce, "_bps_gossip", False):
+        return
 
-        allreduce_grads._bps_gossip = True
-        mx.gluon.Trainer._allreduce_grads = allreduce_grads
+    def allreduce_grads(trainer: mx.gluon.Trainer) -> None:
+        store = trainer._kvstore
+        if isinstance(store, store_type) and not trainer._update_on_kvstore:
+            trained = [(i, p) for i, p in enumerate(trainer._params) if p.grad_req != "null"]
+            if all(_dense_gradient(p) for _, p in trained):
+                calls = [(i, p.list_grad(), -i) for i, p in trained]
+                store.pushpull_step(calls, owners=[p for _, p in trained])
+                return
+        allreduce(trainer)
 
+    allreduce_grads._bps_gossip = True
+    mx.gluon.Trainer._allreduce_grads = allreduce_grads
+
+
+def _teach_module_gradients(store_type: type) -> None:
     init_optimizer = mx.module.Module.init_optimizer
-    if not getattr(init_optimizer, "_bps_gossip_gradients", False):
-        def init_optimizer_sharing(module: mx.module.Module, *args: Any, **kwargs: Any) -> Any:
-            result = init_optimizer(module, *args, **kwargs)
-            store = getattr(module, "_kvstore", None)
-            if isinstance(store, store_type) and store.overlap_backward:
-                share_module_gradients(module, send_groups)  # laid out as update_params sends them
-            return result
+    if getattr(init_optimizer, "_bps_gossip_gradients", False):
+        return
 
-        functools.update_wrapper(init_optimizer_sharing, init_optimizer)
-        init_optimizer_sharing._bps_gossip_gradients = True
-        mx.module.Module.init_optimizer = init_optimizer_sharing
+    def init_optimizer_sharing(module: mx.module.Module, *args: Any, **kwargs: Any) -> Any:
+        result = init_optimizer(module, *args, **kwargs)
+        store = getattr(module, "_kvstore", None)
+        if isinstance(store, store_type) and store.overlap_backward:
+            share_module_gradients(module, send_groups)  # laid out as update_params sends them
+        return result
 
+    functools.update_wrapper(init_optimizer_sharing, init_optimizer)
+    init_optimizer_sharing._bps_gossip_gradients = True
+    mx.module.Module.init_optimizer = init_optimizer_sharing
+
+
+def _teach_update_params(store_type: type) -> None:
     update = mx.model._update_params
     if getattr(update, "_bps_gossip", False):
         return
