@@ -7,6 +7,7 @@ without a place in the address book), then runs a correct push_pull and a gossip
 and reports whether the results are exact.
 """
 
+import itertools
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import bps_gossip as bps
 from bps_gossip.api import _rt
 from bps_gossip.config import load_config
 from bps_gossip.gossip.averager import GossipAverager
-from bps_gossip.transport.security import make_socket
+from bps_gossip.transport.security import make_socket, routing_id
 
 KEYS = load_config().keys
 
@@ -49,11 +50,16 @@ def variants(template, rng):
         yield {**template, **{rng.choice(list(template)): rng.choice(BAD_VALUES) for _ in range(3)}}
 
 
+CONNECTIONS = itertools.count()
+
+
 def attack(address, template, rng, payloads):
     """Send every variant (and some undecodable frames) to ``address``; return how many were sent."""
     sock = make_socket(zmq.Context.instance(), zmq.DEALER, KEYS, serve=False)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
+    # an id of this process's key (each connection its own): what else a message says is fuzzed
+    sock.setsockopt(zmq.IDENTITY, routing_id(f"fuzz{next(CONNECTIONS)}", KEYS))
     sock.connect(address)
     sent = 0
     for msg in variants(template, rng):

@@ -19,7 +19,7 @@ from bps_gossip.config import load_config
 from bps_gossip.liveness import LocalProcess, raise_open_files_limit, start_ticks
 from bps_gossip.protocol import Register, send
 from bps_gossip.transport import recv_message
-from bps_gossip.transport.security import make_socket
+from bps_gossip.transport.security import make_socket, routing_id
 
 STEADY = '''
 import time, numpy as np, bps_gossip as bps
@@ -151,7 +151,7 @@ def test_a_claimed_pid_gets_nobody_killed(cluster):
     for label, pid in (("victim", victim.pid), ("member", member_pid)):
         sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, f"attacker-{label}".encode())
+        sock.setsockopt(zmq.IDENTITY, routing_id(f"attacker{label}", keys))
         sock.connect(f"tcp://127.0.0.1:{job.port}")
         send(sock, Register(role="worker", host="127.0.0.1", pid=pid, start_ticks=start_ticks(pid),
                             peer_addr="tcp://127.0.0.1:9", num_worker=2, num_server=1))
@@ -220,15 +220,17 @@ def test_a_member_cannot_open_barriers_without_end(cluster):
 STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import api
 engine = api._rt("test").engine
 bps.push_pull(np.ones(1, np.float32), "warm-up")
-print("UID", engine.uid.hex(), engine.book.servers[0], flush=True)""")
+print("UID", engine.uid.hex(), engine.book.servers[0], engine.book.workers[1]["addr"], flush=True)""")
 
 
 @pytest.mark.timeout(90)
 def test_a_member_id_cannot_be_taken_over(cluster):
-    """Issue 22, item 3 (in part): with ROUTER_HANDOVER a new connection presenting rank 0's
-    routing id (in every member's address book) took it over: the scheduler declared the healthy
-    rank 0 lost on a 'leave, crashed' sent in its name, and a server counted a push as rank 0's.
-    A ROUTER now refuses a connection whose id is in use."""
+    """Issue 22, item 3: routing ids are in every member's address book. With ROUTER_HANDOVER a new
+    connection presenting rank 0's took it over: the scheduler declared the healthy rank 0 lost on a
+    'leave, crashed' sent in its name, and a server counted a push as rank 0's. Where rank 0 had no
+    connection (its peer socket at rank 1, in a job without gossip), nothing stopped a member from
+    speaking as rank 0. Now every process connects with a key of its own, its routing id ends with
+    that key's tag, and each ROUTER drops a message whose id is not its connection's key's."""
     import msgpack
 
     job = cluster(2)
@@ -237,21 +239,27 @@ def test_a_member_id_cannot_be_taken_over(cluster):
     while "UID" not in open(workers[0].out_file.name).read():
         assert time.monotonic() < deadline, job.dump()
         time.sleep(0.1)
-    _, uid_hex, server = next(line.split() for line in open(workers[0].out_file.name) if line.startswith("UID"))
+    _, uid_hex, server, peer = next(line.split() for line in open(workers[0].out_file.name) if line.startswith("UID"))
     uid, keys = bytes.fromhex(uid_hex), load_config(job.env).keys
-    for address, header in ((f"tcp://127.0.0.1:{job.port}", {"op": "leave", "crashed": True}),
-                            (server, {"op": "stats", "req": 1})):  # at a server: rank 0's replies
+    gossip = {"op": "gossip", "tag": "g", "round": 0, "gen": 1, "keys": ["w"], "weight": 0.5,
+              "dtypes": ["<f4"], "counts": [1]}
+    for address, header, payload in ((f"tcp://127.0.0.1:{job.port}", {"op": "leave", "crashed": True}, []),
+                                     (server, {"op": "stats", "req": 1}, []),  # at a server: rank 0's replies
+                                     (peer, gossip, [b"\0\0\0\0"])):  # rank 0 never connected there
         sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.IDENTITY, uid)
         sock.connect(address)
-        sock.send_multipart([msgpack.packb(header)])
+        sock.send_multipart([msgpack.packb(header), *payload])
         time.sleep(1.0)  # the attacker's connection stays a while: with handover it held rank 0's id
         sock.close()
     done = job.wait(workers, timeout=60)
     assert_all_ok(done, job)
     assert {f.result["total"] for f in done} == {400.0}
-    assert "lost" not in job.dump(), job.dump()
+    dump = job.dump()
+    assert "lost" not in dump, dump
+    # rank 1 refused the gossip message in rank 0's name (with the previous code it was filed as rank 0's)
+    assert "is not the one of the key its connection authenticated with" in dump, dump
 
 
 @pytest.mark.timeout(90)
@@ -272,7 +280,7 @@ def test_joiners_waiting_are_bounded(cluster):
         for index in range(MAX_JOINING + 4):
             sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, f"joiner-{index}".encode())
+            sock.setsockopt(zmq.IDENTITY, routing_id(f"joiner{index}", keys))
             sock.connect(f"tcp://127.0.0.1:{job.port}")
             socks.append(sock)
             send(sock, Register(role="worker", host="10.9.9.9", pid=10 + index, peer_addr=f"tcp://10.9.9.9:{index + 1}",
@@ -339,8 +347,10 @@ def test_refused_registrations_are_logged_at_a_bounded_rate(cluster):
     import msgpack
 
     job = cluster(1)
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, load_config(job.env).keys, serve=False)
+    keys = load_config(job.env).keys
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, routing_id("flood", keys))
     sock.connect(f"tcp://127.0.0.1:{job.port}")
     try:
         for _ in range(300):
@@ -352,8 +362,9 @@ def test_refused_registrations_are_logged_at_a_bounded_rate(cluster):
         sock.close()
     assert answers == 300
     time.sleep(1.5)  # past the interval: the next one is logged with the count of those not logged
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, load_config(job.env).keys, serve=False)
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, routing_id("late", keys))
     sock.connect(f"tcp://127.0.0.1:{job.port}")
     sock.send_multipart([msgpack.packb({"op": "register", "role": "worker", "pid": "not a pid"})])
     assert sock.poll(5000) and recv_message(sock, routed=False)[1]["op"] == "refused"

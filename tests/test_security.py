@@ -19,13 +19,13 @@ from test_launcher import Job, parse_sums
 RAW_ATTACKS = '''
 import msgpack, zmq
 from bps_gossip.config import load_config
-from bps_gossip.transport.security import make_socket
+from bps_gossip.transport.security import make_socket, routing_id
 
 def raw_socket(address, keys, identity=None):
     sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
     sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
+    # a routing id of its own key's (any other is dropped before a handler sees it)
+    sock.setsockopt(zmq.IDENTITY, identity if identity is not None else routing_id("insider", keys))
     sock.connect(address)
     return sock
 

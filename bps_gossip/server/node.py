@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import uuid
 from typing import Any
 
 import zmq
@@ -35,7 +34,7 @@ from ..protocol import (
 from ..rendezvous import join
 from ..transport import bind_random_port
 from ..transport.receive import DropLog, drain
-from ..transport.security import FailedHandshakes
+from ..transport.security import FailedHandshakes, routing_id
 from ..transport.sockets import SocketRole, open_socket
 from .pool import SumPool
 from .rounds import Rounds
@@ -55,8 +54,7 @@ class Server:
         self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
         self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
         self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
-        self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config,
-                                 f"server-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config, routing_id("server", config.keys))
         self.pool = SumPool(config.server_engine_threads)
         self.rounds = Rounds(config, self.addr, self._reply, self.pool)
         self.rank = -1

@@ -14,6 +14,7 @@ import msgpack
 import zmq
 
 from ..errors import ProtocolError
+from .security import route_matches_key
 
 MAX_HEADER_BYTES = 1 << 20  # an address book for thousands of nodes still fits
 
@@ -31,8 +32,10 @@ def send_message(
     sock.send_multipart(frames, copy=False)
 
 
-def recv_message(sock: zmq.Socket, routed: bool) -> tuple[bytes | None, dict[str, Any], list[zmq.Frame]]:
-    """Receive one message: (routing id or None, header, payload frames).
+def recv_message(sock: zmq.Socket, routed: bool,
+                 identified: bool = False) -> tuple[bytes | None, dict[str, Any], list[zmq.Frame]]:
+    """Receive one message: (routing id or None, header, payload frames). ``identified``: a
+    CURVE ROUTER, whose senders' routing ids must be their keys' (transport.security).
 
     Raises ProtocolError for a message that is not ours; the caller decides to drop it.
     """
@@ -43,6 +46,9 @@ def recv_message(sock: zmq.Socket, routed: bool) -> tuple[bytes | None, dict[str
             raise ProtocolError("message without a header frame")
         route = frames[0].bytes
         frames = frames[1:]
+        if identified and not route_matches_key(route, frames[0].get("User-Id")):
+            raise ProtocolError(f"routing id {route[:64]!r} is not the one of the key its connection "
+                                "authenticated with (a member presenting another's id?)")
     head = frames[0]
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")

@@ -25,7 +25,7 @@ from .framing import recv_message
 
 Handler = Callable[[Any, Dict[str, Any], List[zmq.Frame]], None]  # (routing id or None, header, payload frames)
 MALFORMED = (ProtocolError, KeyError, TypeError, ValueError)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs ~2 us a message
+_EVENTS, _POLLIN, _CURVE_SERVER = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.CURVE_SERVER)  # plain ints: pyzmq's enum arithmetic costs ~2 us a message
 
 
 class DropLog:
@@ -51,12 +51,14 @@ class DropLog:
 
 
 def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops: DropLog, limit: int) -> None:
-    """Handle up to ``limit`` waiting messages of ``sock`` by their ``op``."""
+    """Handle up to ``limit`` waiting messages of ``sock`` by their ``op``; on a CURVE ROUTER, only
+    those whose routing id is their connection's key's."""
+    identified = routed and bool(sock.getsockopt(_CURVE_SERVER))
     for _ in range(limit):
         if not sock.getsockopt(_EVENTS) & _POLLIN:
             return
         try:
-            route, msg, frames = recv_message(sock, routed)
+            route, msg, frames = recv_message(sock, routed, identified)
             handler = handlers.get(msg["op"])
             if handler is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")

@@ -1,11 +1,20 @@
-"""Authentication and encryption of every socket: ZeroMQ CURVE keys from the job's secret.
+"""Authentication and encryption of every socket: ZeroMQ CURVE keys from the job's secret, and
+a key pair of each process's own that says which member sent a message.
 
-Every process of a job derives the same two key pairs from BPS_GOSSIP_SECRET (or the
-file BPS_GOSSIP_SECRET_FILE names): one that every bound socket serves with, one that
-every connecting socket presents. A ZAP handler (pyzmq's authenticator thread) admits
-only the job's client key, so a process without the secret completes no handshake:
-nothing it sends reaches a receive loop. Traffic is encrypted (CurveZMQ: Curve25519,
-XSalsa20-Poly1305). Without a secret, sockets are plain, as in BytePS and ps-lite.
+Every process of a job derives the same server key pair from BPS_GOSSIP_SECRET (or the file
+BPS_GOSSIP_SECRET_FILE names), and every bound socket serves with it. A CurveZMQ client must
+know the server's public key to complete the handshake (its first message is sealed to it), so a
+process without the secret completes none: nothing it sends reaches a receive loop. Traffic is
+encrypted (Curve25519, XSalsa20-Poly1305). Without a secret, sockets are plain, as in BytePS and
+ps-lite.
+
+Members of one job hold the same secret, so the secret cannot tell them apart. Each process
+therefore connects with a key pair of its own, made at random when it starts and never sent
+anywhere but its public half; the handshake proves it holds the secret half. Its routing id (the
+name every member knows it by, in the address book) ends with a tag of that public key
+(:func:`key_tag`), and every ROUTER drops a message whose routing id is not its connection's
+key's (:func:`route_matches_key`, checked in the shared receive loop): a member that presents
+another's routing id, learned from the address book, is not taken for it anywhere.
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import threading
 import time
+import uuid
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -30,36 +41,66 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
 
 @dataclasses.dataclass(frozen=True)
 class JobKeys:
-    """The job's CURVE key pairs (Z85 text, as libzmq takes them)."""
+    """The job's server key pair (Z85 text, as libzmq takes it)."""
 
     server_public: bytes
     server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
 
     @classmethod
     def from_secret(cls, secret: str) -> JobKeys:
-        """Derive both key pairs from ``secret`` (the same on every process of a job)."""
+        """Derive the key pair from ``secret`` (the same on every process of a job)."""
         if len(secret) < MIN_SECRET_CHARS:
             raise ConfigError(f"BPS_GOSSIP_SECRET has {len(secret)} characters; use at least {MIN_SECRET_CHARS} "
                               "(bpslaunch makes one: python -c 'import secrets; print(secrets.token_hex(32))')")
-        pairs = []
-        for role in (b"bpsg-server", b"bpsg-client"):
-            raw = hashlib.blake2b(secret.encode(), person=role, digest_size=32).digest()
-            private = z85.encode(raw)
-            pairs.append((zmq.curve_public(private), private))
-        (server_public, server_secret), (client_public, client_secret) = pairs
-        return cls(server_public, server_secret, client_public, client_secret)
+        private = z85.encode(hashlib.blake2b(secret.encode(), person=b"bpsg-server", digest_size=32).digest())
+        return cls(zmq.curve_public(private), private)
 
 
-class _JobKeyOnly:
-    """ZAP credentials check: the job's client key, nothing else."""
+_member_keys: tuple[bytes, bytes, int] | None = None  # public, secret, the pid that made them
+_member_lock = threading.Lock()
 
-    def __init__(self, keys: JobKeys) -> None:
-        self.allowed = keys.client_public
+
+def member_keys() -> tuple[bytes, bytes]:
+    """This process's own CURVE key pair (public, secret; Z85), made at random on first use."""
+    global _member_keys
+    with _member_lock:
+        if _member_keys is None or _member_keys[2] != os.getpid():  # a fork makes its own
+            public, secret = zmq.curve_keypair()
+            _member_keys = (public, secret, os.getpid())
+        return _member_keys[0], _member_keys[1]
+
+
+def key_tag(public: bytes | str) -> str:
+    """The tag of a public key (Z85) that ends its owner's routing id: 24 hex digits."""
+    raw = public.encode() if isinstance(public, str) else public
+    return hashlib.blake2b(raw, digest_size=12, person=b"bpsg-route").hexdigest()
+
+
+def own_tag() -> str:
+    """The tag of this process's own public key (:func:`member_keys`)."""
+    return key_tag(member_keys()[0])
+
+
+def routing_id(role: str, keys: JobKeys | None) -> bytes:
+    """A new routing id for this process in ``role``: with a secret, it ends with the tag of the
+    process's own key (no other process can present it); without one, a random one."""
+    tag = own_tag() if keys is not None else uuid.uuid4().hex
+    return f"{role}-{os.getpid()}-{tag}".encode()
+
+
+def route_matches_key(route: bytes, public: str) -> bool:
+    """Whether a routing id (up to its first '/') ends with ``-`` and the tag of ``public``, the
+    key its connection authenticated with."""
+    return route.split(b"/", 1)[0].endswith(b"-" + key_tag(public).encode())
+
+
+class _AnyKeyThatKnowsTheServer:
+    """ZAP credentials check: any client key. Completing the handshake already proved that the
+    client knows the server's public key, which only holders of the job's secret can derive; the
+    client's own key then names the member (see the module docstring)."""
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.allowed
+        return True
 
 
 _authenticators: dict[int, tuple[ThreadAuthenticator, JobKeys]] = {}
@@ -76,7 +117,7 @@ def _authenticate(ctx: zmq.Context, keys: JobKeys) -> None:
             return
         auth = ThreadAuthenticator(ctx, log=None)
         auth.start()
-        auth.configure_curve_callback("*", _JobKeyOnly(keys))
+        auth.configure_curve_callback("*", _AnyKeyThatKnowsTheServer())
         _authenticators[id(ctx)] = (auth, keys)
 
 
@@ -92,8 +133,7 @@ def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) 
         sock.curve_secretkey = keys.server_secret
     else:
         sock.curve_serverkey = keys.server_public
-        sock.curve_publickey = keys.client_public
-        sock.curve_secretkey = keys.client_secret
+        sock.curve_publickey, sock.curve_secretkey = member_keys()
     return sock
 
 

@@ -21,7 +21,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 import zmq
@@ -30,6 +29,7 @@ from ..config import NO_SECRET_WARNING, Config
 from ..errors import BpsGossipError, NotInitializedError, PeerLostError, WorkersChangedError
 from ..futures import Future, complete, fail, wait
 from ..logs import get_logger
+from ..transport.security import routing_id
 from ..transport.shm import SegmentPool, shm_available
 from . import commands as cmd
 from .peer_endpoint import PeerEndpoint
@@ -51,8 +51,8 @@ class Engine:
         if config.keys is None:
             self.log.warning(NO_SECRET_WARNING)
         # The routing id on every connection: servers and peers know this worker's rank by it
-        # (from the address book), so it must not be guessable.
-        self.uid = f"worker-{os.getpid()}-{uuid.uuid4().hex}".encode()
+        # (from the address book); with a secret it names this process's own key (transport.security).
+        self.uid = routing_id("worker", config.keys)
         self.tracer = Tracer(config.trace_dir, config.local_rank, config.trace_start, config.trace_end) \
             if config.trace_on else None
         self.segments = SegmentPool(config.job_id) if config.shm and shm_available() else None
