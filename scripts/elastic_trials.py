@@ -98,11 +98,12 @@ def check(trial: Trial) -> None:
 
 
 def run_trial(trial: Trial, timeout: float = 240, env: Mapping[str, str] | None = None,
-              python: str = sys.executable) -> Trial:
-    """Run ``trial`` through bpslaunch and check it."""
+              python: str = sys.executable, extra_env: Mapping[str, str] | None = None) -> Trial:
+    """Run ``trial`` through bpslaunch and check it (``extra_env`` over the trials' own settings)."""
     child_env = {k: v for k, v in (os.environ if env is None else env).items()
                  if not k.startswith(("DMLC_", "BYTEPS_LOCAL", "BPS_GOSSIP_"))}
     child_env.update(TRIAL_ENV)
+    child_env.update(extra_env or {})
     child_env.update({"MODE": trial.mode, f"{trial.fault}_RANK": str(trial.rank), f"{trial.fault}_STEP": str(trial.step),
                       "STALL_SECONDS": "60"})
     argv = [python, "-m", "bps_gossip.launch", "-np", str(WORKERS), "--min-np", "2", "--max-np", str(WORKERS),

@@ -42,6 +42,19 @@ def test_fault_trial(mode, fault, rank, step):
 
 
 @pytest.mark.timeout(200)
+def test_a_stuck_host_leader_is_removed():
+    """Issue 22: with one push per host, a host leader whose training stalls (its engine alive and
+    heart-beating) was reported by nobody: its locals had pushed and waited, and the servers saw
+    only a host missing. The leader's engine now reports its own training, the scheduler removes
+    it once its heartbeats agree, and the job goes on without it."""
+    trial = elastic_trials.run_trial(elastic_trials.Trial("allreduce", "STALL", 0, 7), timeout=180,
+                                     extra_env={"BPS_GOSSIP_HOST_REDUCE": "on"})
+    assert trial.ok, f"{trial.describe()}\n{trial.output}"
+    assert re.search(r"is alive but stuck: host leader 0 pushed nothing.*asking its launcher to stop it",
+                     trial.output), trial.output
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("when", ["LAST STEPS", "TRAINED"])
 def test_joiner_arriving_as_the_job_ends_exits_zero(when):
     """During the last steps it is admitted (or told the job is over); once a worker finished

@@ -1,8 +1,8 @@
 """Elastic: workers reported as stuck, removed only on good evidence.
 
 Servers (a round some ranks pushed and others did not, for BPS_GOSSIP_STALL_TIMEOUT) and
-workers (a gossip peer, or a host's leader waiting for its local workers) report ranks that
-others wait on. A server's report is taken alone. A worker's must be confirmed by the reported
+workers (a gossip peer, or a host's leader waiting for its local workers, or for its own training
+while all of them wait) report ranks that others wait on. A server's report is taken alone. A worker's must be confirmed by the reported
 rank itself: its heartbeats carry the count of operations its training has started, and it is
 removed only once that count has stood still for BPS_GOSSIP_STALL_TIMEOUT as well, so that one
 member cannot have a rank that is working removed.
@@ -40,7 +40,7 @@ class StallReports:
         if msg.generation != self.members.generation:
             return  # of an old generation
         for worker in self.members.workers("alive"):
-            if worker.rank not in msg.ranks or worker is reporter:
+            if worker.rank not in msg.ranks:  # a host leader may report itself (its training stalled)
                 continue
             why = (f"stuck: {msg.why} (BPS_GOSSIP_STALL_TIMEOUT={self.config.stall_timeout:g}, "
                    f"seen by {reporter.describe()})")

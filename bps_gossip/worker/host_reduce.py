@@ -261,17 +261,24 @@ class HostRounds:
             self.rounds.pop(rnd.rid, None)
 
     def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
-        """Locals this leader has waited on for ``after`` seconds, each round once (elastic: reported
-        to the scheduler; the servers see only that this leader is missing)."""
+        """Ranks this leader's host has waited on for ``after`` seconds, each round once (elastic:
+        reported to the scheduler; the servers see only that this leader is missing): locals that
+        did not push, or this leader itself when every local did and its own training did not (its
+        engine still runs; the scheduler removes it only if its heartbeats say it started nothing)."""
         found = []
         for rnd in self.rounds.values():
-            if rnd.sent or rnd.stall_reported or rnd.own is None or now - rnd.created <= after:
+            if rnd.sent or rnd.stall_reported or now - rnd.created <= after:
                 continue
-            rnd.stall_reported = True
             missing = sorted(self.locals - rnd.locals.keys())
-            if missing:
+            if rnd.own is not None and missing:
                 found.append((missing, f"pushed nothing of {rnd.name!r} to host leader {self.rank} for "
                                        f"{now - rnd.created:.1f} s"))
+            elif rnd.own is None and not missing:
+                found.append(([self.rank], f"host leader {self.rank} pushed nothing of {rnd.name!r} for "
+                                           f"{now - rnd.created:.1f} s while every worker of its host had"))
+            else:
+                continue  # the leader and a local both missing: either may be the one that waits
+            rnd.stall_reported = True
         return found
 
     def close(self, kind: str, why: str) -> None:
