@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from cluster import assert_all_ok
 
+from bps_gossip.transport import shm
+
 JOB = '''
 import hashlib, mxnet as mx, numpy as np
 from mxnet import autograd, gluon
@@ -98,6 +100,7 @@ def _run(cluster, flag: str) -> list[dict]:
     done = job.run_workers(JOB, timeout=100)
     assert_all_ok(done, job)
     job.wait_servers_exit()
+    assert not list(shm.SHM_DIR.glob(f"{shm.PREFIX}_{job.port}_*"))  # the buffers' names went with the job
     return [f.result for f in done]
 
 
