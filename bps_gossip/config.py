@@ -195,11 +195,12 @@ def _host_reduce(env: Mapping[str, str]) -> str:
     """BPS_GOSSIP_HOST_REDUCE: auto (default), on or off; a boolean means on or off."""
     raw = _get(env, "BPS_GOSSIP_HOST_REDUCE")
     if raw is not None and raw.strip().lower() not in HOST_REDUCE_MODES:
-        return "on" if _bool(env, "BPS_GOSSIP_HOST_REDUCE", False) else "off"
+        return "on" if env_flag(env, "BPS_GOSSIP_HOST_REDUCE", False) else "off"
     return _choice(env, "BPS_GOSSIP_HOST_REDUCE", HOST_REDUCE_MODES)
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The boolean variable ``name`` of ``env`` (1/0, true/false, yes/no, on/off), or ConfigError."""
     raw = env.get(name)
     if raw is None:
         return default
@@ -291,15 +292,15 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
         server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", min(4, os.cpu_count() or 1), minimum=1),
         log_level=log_level,
-        force_distributed=_bool(env, "BYTEPS_FORCE_DISTRIBUTED", False),
+        force_distributed=env_flag(env, "BYTEPS_FORCE_DISTRIBUTED", False),
         min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
         **_timeouts(env),
         port=port,
-        shm=_bool(env, "BPS_GOSSIP_SHM", True),
+        shm=env_flag(env, "BPS_GOSSIP_SHM", True),
         host_reduce=_host_reduce(env),
         **_elastic(env, shape["num_worker"] * shape["local_size"]),
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
-        use_kubernetes=_bool(env, "DMLC_USE_KUBERNETES", False),
+        use_kubernetes=env_flag(env, "DMLC_USE_KUBERNETES", False),
         **_trace(env),
         mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
@@ -357,7 +358,7 @@ def _timeouts(env: Mapping[str, str]) -> dict[str, float]:
 
 def _elastic(env: Mapping[str, str], initial_workers: int) -> dict[str, Any]:
     """BPS_GOSSIP_ELASTIC and its bounds."""
-    elastic = _bool(env, "BPS_GOSSIP_ELASTIC", False)
+    elastic = env_flag(env, "BPS_GOSSIP_ELASTIC", False)
     min_workers = _int(env, "BPS_GOSSIP_MIN_WORKERS", 1, minimum=1)
     max_workers = _int(env, "BPS_GOSSIP_MAX_WORKERS", 0, minimum=0)
     if max_workers and max_workers < min_workers:
@@ -375,5 +376,5 @@ def _trace(env: Mapping[str, str]) -> dict[str, Any]:
     trace_end = _int(env, "BYTEPS_TRACE_END_STEP", 20, minimum=1)
     if trace_end <= trace_start:
         raise ConfigError(f"BYTEPS_TRACE_END_STEP={trace_end} must exceed BYTEPS_TRACE_START_STEP={trace_start}")
-    return {"trace_on": _bool(env, "BYTEPS_TRACE_ON", False), "trace_start": trace_start, "trace_end": trace_end,
+    return {"trace_on": env_flag(env, "BYTEPS_TRACE_ON", False), "trace_start": trace_start, "trace_end": trace_end,
             "trace_dir": _get(env, "BYTEPS_TRACE_DIR") or "."}

@@ -39,6 +39,7 @@ import numpy as np
 
 import bps_gossip as core
 from bps_gossip.api import wait_timeout
+from bps_gossip.config import env_flag
 
 from .engine_ops import push_async
 from .layouts import make_default, raw_view
@@ -50,12 +51,7 @@ log = logging.getLogger("bps_gossip.mxnet_plugin")
 
 def enabled_by_default() -> bool:
     """``BPS_GOSSIP_OVERLAP_BACKWARD`` (1, the default, or 0)."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise core.ConfigError(f"{ENV}={value!r}: use 1 or 0")
+    return env_flag(os.environ, ENV, True)
 
 
 class _Rounds:

@@ -36,6 +36,7 @@ import numpy as np
 from mxnet.base import _LIB, NDArrayHandle, check_call
 
 import bps_gossip as core
+from bps_gossip.config import env_flag
 
 ENV = "BPS_GOSSIP_SHM_GRADIENTS"
 ALIGN = 64  # each group starts on a cache line
@@ -66,12 +67,7 @@ _CPU = 1
 
 def enabled() -> bool:
     """``BPS_GOSSIP_SHM_GRADIENTS`` (1, the default, or 0)."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise core.ConfigError(f"{ENV}={value!r}: use 1 or 0")
+    return env_flag(os.environ, ENV, True)
 
 
 def array_over(memory: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> mx.nd.NDArray:
