@@ -372,3 +372,43 @@ def test_refused_registrations_are_logged_at_a_bounded_rate(cluster):
     wait_for_line(job.scheduler, "more since the last report", job)
     lines = [line for line in job.dump().splitlines() if "refused a registration" in line]
     assert 2 <= len(lines) <= 5, lines
+
+
+@pytest.mark.timeout(60)
+def test_a_server_queues_a_bounded_number_of_unread_messages():
+    """Issue 22, item 4: a server's ZeroMQ queues were unbounded both ways. Inbound, a sender
+    faster than the server filled the server's memory. Now a connection's inbound queue holds at most
+    ZeroMQ's 1,000 messages: then the server stops reading it (nothing is dropped) and the sender's
+    own queue fills. Here the server reads nothing while a sender pushes 16 KiB messages without
+    blocking: it can place about 1,000 in its own queue, 1,000 in the server's and what the kernel
+    buffers, not all 6,000 (as it could before)."""
+    from bps_gossip.config import Config
+    from bps_gossip.transport import bind_random_port
+    from bps_gossip.transport.sockets import SocketRole, open_socket
+
+    ctx = zmq.Context()
+    server = open_socket(ctx, SocketRole.SERVER, Config())
+    address = bind_random_port(server, "127.0.0.1")
+    sender = ctx.socket(zmq.DEALER)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(address)
+    try:
+        payload, placed = b"\0" * 16384, 0
+        deadline = time.monotonic() + 20
+        while placed < 6000 and time.monotonic() < deadline:
+            try:
+                sender.send(payload, zmq.NOBLOCK)
+                placed += 1
+            except zmq.Again:
+                time.sleep(0.2)  # the I/O threads move what they can; then it stays full
+                try:
+                    sender.send(payload, zmq.NOBLOCK)
+                    placed += 1
+                except zmq.Again:
+                    break
+        assert placed < 4500, placed
+        assert placed >= 1000, placed  # the sender's own queue at least
+    finally:
+        sender.close(linger=0)
+        server.close(linger=0)
+        ctx.term()

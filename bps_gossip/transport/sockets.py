@@ -56,10 +56,13 @@ _SPECS: dict[SocketRole, _Spec] = {
     # (every member reads them in the address book) took that id over, and with it the member's
     # rank. Without it, a ROUTER refuses a connection whose id is in use.
     SocketRole.SCHEDULER: _Spec(zmq.ROUTER, True, 1000, max_frame=lambda _c: MAX_CONTROL_BYTES),
-    # A ROUTER drops what exceeds its high-water mark: a worker with thousands of small partitions
-    # in flight would lose results and hang. Every reply answers a push, so the queue is bounded
-    # by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
-    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded=True, max_frame=lambda c: server_frame_limit(c)),
+    # A ROUTER drops what exceeds its send high-water mark: a worker with thousands of small
+    # partitions in flight would lose results and hang. Every reply answers a push, so the queue is
+    # bounded by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
+    # Inbound, ZeroMQ's default mark (1,000 messages a connection) holds: a full queue stops reading
+    # that connection (TCP pushes back, its sender queues on its own side) and drops nothing, so a
+    # sender faster than the server cannot grow the server's memory without end.
+    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded_send=True, max_frame=lambda c: server_frame_limit(c)),
     # Lingers a moment so that a server's last message (a leave) still goes out.
     SocketRole.TO_SCHEDULER: _Spec(zmq.DEALER, False, 1000, needs_identity=True),
     # No high-water mark: a full queue would block the worker's engine thread (no heartbeats,
