@@ -27,9 +27,8 @@ import numpy as np
 import bps_gossip as core
 from bps_gossip.compat import zip_exact
 
-from .layouts import make_default, raw_view
+from .layouts import contiguous_span, make_default, raw_view
 from .overlap import _rounds, poison, run_push_pull
-from .shared_gradients import contiguous_span
 
 SMALL_BYTES = 256 * 1024  # gradients up to this size are fused
 BUCKET_BYTES = 4 * 1024 * 1024  # a bucket is cut once it holds this much

@@ -63,13 +63,12 @@ class StepFusion:
         ``owners``, the gluon parameters whose gradients the calls are (one each), lets the
         first step move the gradients into shared memory, laid out as planned."""
         if not self._same_calls(calls):
-            self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
             if owners is not None and not self.shared:
                 self.shared = True
-                share_gradients([[owners[i] for i in indices] for indices, _, _ in self.buckets]
-                                + [[owners[i]] for i in self.alone])
+                buckets, alone = plan_calls([arrays for _, arrays, _ in calls])
+                share_gradients([[owners[i] for i in indices] for indices in buckets + [[i] for i in alone]])
                 calls = [(key, owner.list_grad(), priority) for (key, _, priority), owner in zip(calls, owners)]
-                self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
+            self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
         for indices, name, layout in self.buckets:
             if len(indices) == 1:
                 key, arrays, priority = calls[indices[0]]

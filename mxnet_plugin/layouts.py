@@ -121,5 +121,23 @@ def _pointer_view(array: mx.nd.NDArray) -> np.ndarray:
     pointer = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
     dtype = np.dtype(array.dtype)
-    buffer = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(pointer.value)
-    return np.frombuffer(buffer, dtype=dtype).reshape(array.shape)
+    return _view_at(pointer.value, array.size * dtype.itemsize, dtype).reshape(array.shape)
+
+
+def _view_at(address: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+    """A flat numpy view of ``nbytes`` of memory at ``address``."""
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype)
+
+
+def contiguous_span(views: list[np.ndarray]) -> np.ndarray | None:
+    """One flat array over ``views`` if they lie back to back in memory in this order (one
+    dtype), else None: a fused bucket whose gradients are shared sends that instead of a copy."""
+    if not views or any(v.dtype != views[0].dtype for v in views):
+        return None
+    start = views[0].__array_interface__["data"][0]
+    at = start
+    for view in views:
+        if view.size and view.__array_interface__["data"][0] != at:
+            return None
+        at += view.nbytes
+    return _view_at(start, at - start, views[0].dtype)

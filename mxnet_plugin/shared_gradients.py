@@ -38,6 +38,8 @@ from mxnet.base import _LIB, NDArrayHandle, check_call
 import bps_gossip as core
 from bps_gossip.config import env_flag
 
+from .fusion import nbytes_of
+
 ENV = "BPS_GOSSIP_SHM_GRADIENTS"
 ALIGN = 64  # each group starts on a cache line
 log = logging.getLogger("bps_gossip.mxnet_plugin")
@@ -96,20 +98,19 @@ def _movable(param: mx.gluon.Parameter) -> bool:
 def _arrays_in_shared_memory(groups: list[list[mx.nd.NDArray]]) -> list[list[mx.nd.NDArray]] | None:
     """New arrays shaped like each group's, back to back per group in one shared-memory buffer
     (each group on a cache line), or None where the job has no shared memory."""
-    sizes = [sum(int(a.size) * np.dtype(a.dtype).itemsize for a in group) for group in groups]
-    total = sum(-(-size // ALIGN) * ALIGN for size in sizes)
-    memory = core.shared_buffer(total) if total else None
+    spans = [-(-sum(nbytes_of(a) for a in group) // ALIGN) * ALIGN for group in groups]
+    memory = core.shared_buffer(sum(spans)) if sum(spans) else None
     if memory is None:
         return None
     placed, start = [], 0
-    for group, size in zip(groups, sizes):
+    for group, span in zip(groups, spans):
         offset, arrays = start, []
         for old in group:
-            nbytes = int(old.size) * np.dtype(old.dtype).itemsize
+            nbytes = nbytes_of(old)
             arrays.append(array_over(memory[offset:offset + nbytes], tuple(old.shape), np.dtype(old.dtype)))
             offset += nbytes
         placed.append(arrays)
-        start += -(-size // ALIGN) * ALIGN
+        start += span
     return placed
 
 
@@ -170,18 +171,3 @@ def share_module_gradients(module: mx.module.Module, plan: Callable[[list[mx.nd.
     moved = sum(len(indices) for indices in groups)
     log.debug("%d Module gradients moved into shared memory", moved)
     return moved
-
-
-def contiguous_span(views: list[np.ndarray]) -> np.ndarray | None:
-    """One flat array over ``views`` if they lie back to back in memory in this order (one
-    dtype), else None: a fused bucket whose gradients are shared sends that instead of a copy."""
-    if not views or any(v.dtype != views[0].dtype for v in views):
-        return None
-    start = views[0].__array_interface__["data"][0]
-    at = start
-    for view in views:
-        if view.size and view.__array_interface__["data"][0] != at:
-            return None
-        at += view.nbytes
-    buffer = (ctypes.c_char * (at - start)).from_address(start)
-    return np.frombuffer(buffer, dtype=views[0].dtype)

@@ -2,10 +2,10 @@
 
 Servers (a round some ranks pushed and others did not, for BPS_GOSSIP_STALL_TIMEOUT) and
 workers (a gossip peer, or a host's leader waiting for its local workers, or for its own training
-while all of them wait) report ranks that others wait on. A server's report is taken alone. A worker's must be confirmed by the reported
-rank itself: its heartbeats carry the count of operations its training has started, and it is
-removed only once that count has stood still for BPS_GOSSIP_STALL_TIMEOUT as well, so that one
-member cannot have a rank that is working removed.
+while all of them wait) report ranks that others wait on. A server's report is taken alone. A
+worker's must be confirmed by the reported rank itself: its heartbeats carry the count of
+operations its training has started, and it is removed only once that count has stood still for
+BPS_GOSSIP_STALL_TIMEOUT as well, so that one member cannot have a rank that is working removed.
 """
 
 from __future__ import annotations

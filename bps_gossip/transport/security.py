@@ -20,6 +20,7 @@ another's routing id, learned from the address book, is not taken for it anywher
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -70,6 +71,7 @@ def member_keys() -> tuple[bytes, bytes]:
         return _member_keys[0], _member_keys[1]
 
 
+@functools.lru_cache(maxsize=4096)  # read for every message a ROUTER receives; a few keys per job
 def key_tag(public: bytes | str) -> str:
     """The tag of a public key (Z85) that ends its owner's routing id: 24 hex digits."""
     raw = public.encode() if isinstance(public, str) else public
