@@ -59,6 +59,8 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     net.initialize(mx.init.Xavier())
     options = {"graph": args.graph, "peers_per_itr": args.peers_per_itr, "overlap": args.overlap,
                "average_every": args.average_every} if mode == "gossip" else {}
+    if mode == "gossip" and getattr(args, "gossip_gamma", None) is not None:
+        options["gossip_gamma"] = args.gossip_gamma  # compressed gossip's consensus step
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": args.lr, "momentum": 0.9},
                                      mode=mode, compression_params=compression_params(args), **options)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers-per-itr", type=int, default=1)
     parser.add_argument("--overlap", action="store_true", help="gossip while the next step computes")
     parser.add_argument("--average-every", type=int, default=0, help="exact average every K steps (0: never)")
-    gc = parser.add_argument_group("gradient compression (allreduce mode; BytePS's options)")
+    gc = parser.add_argument_group("compression (BytePS's options; in gossip mode CHOCO compresses the messages)")
     gc.add_argument("--compressor", default="", help="onebit, topk, randomk or dithering (default: none)")
     gc.add_argument("--ef", default="", help="error feedback: vanilla")
     gc.add_argument("--compress-momentum", default="", help="nesterov: momentum applied before compression")
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--seed-compress", type=int, help="randomk/dithering: seed of the random draws")
     gc.add_argument("--partition", default="", help="dithering: linear or natural")
     gc.add_argument("--normalize", default="", help="dithering: max or l2")
+    gc.add_argument("--gossip-gamma", type=float, help="gossip with a compressor: CHOCO's consensus step "
+                                                        "(default: the compressor's)")
     parser.add_argument("--log-json", metavar="PATH",
                         help="append one JSON line per epoch (wall-clock time, accuracy) to PATH, in which "
                              "{rank} is replaced by the rank (scripts/netns_cluster.py reads these)")

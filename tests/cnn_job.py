@@ -203,20 +203,21 @@ def phase_compressed_allreduce():
 
 
 def phase_compressed_gossip():
-    """The default mode with a compressor: CHOCO gossip of the parameters and BatchNorm statistics.
-    topk is scale-free; consensus step 0.5 (on resnet18_v1 the default 0.2 needs more than 3 steps
-    to start closing the gap the training steps opened)."""
+    """The default mode with a compressor: CHOCO gossip of the parameters and BatchNorm statistics,
+    dithering with 8 levels and the default consensus step. Compressed as one buffer, resnet18_v1's
+    distance went 128 -> 2e8 in 6 steps at learning rate 0 (BatchNorm's running variances set the
+    scale); each parameter compressed on its own, it stays within 4x and turns down within 6."""
     net = build(seed=rank + 500)
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01},
-                                     compression_params={"compressor": "topk", "k": 0.1}, gossip_gamma=0.5)
+                                     compression_params={"compressor": "dithering", "k": 8})
     train(net, trainer, B)
     trainer.set_learning_rate(0.0)
     distances = [trainer.consensus_distance()]
-    for _ in range(3):
+    for _ in range(6):
         backward(net, 0, 0)
         trainer.step(B)
         evaluate(net)
-    distances.append(trainer.consensus_distance())
+        distances.append(trainer.consensus_distance())
     finite = all(np.isfinite(p.data().asnumpy()).all() for p in params(net))
     trainer.average_parameters()
     report({"phase": "compressed_gossip", "mode": trainer.mode, "distances": distances, "finite": finite,

@@ -16,7 +16,7 @@ from bps_gossip.errors import CommTimeoutError, NotInitializedError
 from bps_gossip.gossip import GRAPHS, ExplicitGraph, UniformMixing, make_graph
 from bps_gossip.gossip import link as gossip_link
 from bps_gossip.gossip.averager import GossipAverager
-from bps_gossip.gossip.choco import ChocoAverager
+from bps_gossip.gossip.choco import ChocoAverager, plan_pieces
 from bps_gossip.gossip.graphs import exponential_phases, symmetric_mixing_is_doubly_stochastic
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16]
@@ -349,6 +349,95 @@ def test_choco_keeps_the_sum_and_reaches_consensus(params):
     np.testing.assert_allclose(np.sum([x for x, _, _ in results], axis=0, dtype=np.float64), total, atol=1e-3)
     for _, start, end in results:
         assert end < start / 50
+
+
+def test_choco_pieces_follow_the_parts_split_at_partitions_and_leave_small_ones_raw():
+    spec = CompressionSpec(compressor="onebit", scaling=True)
+    pieces = plan_pieces([10, 100, 3], 4, spec, min_compress_bytes=40, partition_bytes=256)
+    assert [(p.start, p.stop) for p in pieces] == [(0, 10), (10, 74), (74, 110), (110, 113)]
+    assert [p.codec is None for p in pieces] == [False, False, False, True]  # 3 * 4 bytes < 40
+    assert all(p.offset % 8 == 0 for p in pieces)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(pieces, pieces[1:]))
+    assert pieces[-1].nbytes == 12  # three raw float32
+
+
+def test_choco_default_consensus_step_is_the_compressors():
+    link = FakeNetwork(1).link(0)
+    steps = {name: ChocoAverager({"w": np.ones(8)}, CompressionSpec(compressor=name, k=2), link=link).gamma
+             for name in ("topk", "randomk", "dithering")}
+    assert steps == {"topk": 0.2, "randomk": 0.05, "dithering": 0.2}
+    assert ChocoAverager({"w": np.ones(8)}, CompressionSpec(compressor="randomk", k=2), 0.5, link=link).gamma == 0.5
+
+
+def test_choco_compresses_every_part_on_its_own_scale():
+    """onebit's one scale per piece: small weights beside large ones (BatchNorm's running
+    variances beside conv weights) reach consensus when each part has its own scale; as one
+    buffer, the large part's scale swamps them and they drift 10x further apart."""
+    n = 3
+    rngs = [np.random.default_rng(rank) for rank in range(n)]
+    x0 = [np.concatenate([1000 + 100 * r.normal(size=256), 1e-3 * r.normal(size=256)]).astype(np.float32)
+          for r in rngs]
+
+    def small_parts_distance(parts):
+        network = FakeNetwork(n)
+
+        def body(rank):
+            avg = ChocoAverager({"w": x0[rank]}, CompressionSpec(compressor="onebit", scaling=True), gamma=0.2,
+                                tag="c", link=network.link(rank), parts=parts)
+            for _ in range(150):
+                avg.step()
+            return avg.x["w"][256:]
+
+        small = np.array(run_ranks(n, body), dtype=np.float64)
+        return float(np.sqrt(((small - small.mean(axis=0)) ** 2).mean()))
+
+    start = float(np.sqrt(((np.array(x0)[:, 256:] - np.mean(x0, axis=0)[256:]) ** 2).mean()))
+    apart = small_parts_distance({"w": [256, 256]})
+    assert apart < start / 10
+    assert small_parts_distance(None) > 10 * apart
+
+
+def test_choco_uncompressed_pieces_reach_the_exact_average():
+    n = 3
+    network = FakeNetwork(n)
+    x0 = [np.random.default_rng(rank).normal(size=40) for rank in range(n)]
+
+    def body(rank):
+        avg = ChocoAverager({"w": x0[rank]}, CompressionSpec(compressor="topk", k=0.5), gamma=0.5, tag="c",
+                            link=network.link(rank), parts={"w": [30, 10]}, min_compress_bytes=1 << 20)
+        for _ in range(60):
+            avg.step()
+        return avg.x["w"]
+
+    for x in run_ranks(n, body):
+        np.testing.assert_allclose(x, np.mean(x0, axis=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["size", "nan"])
+def test_choco_refuses_a_message_of_another_size_or_not_finite(bad):
+    network = FakeNetwork(2)
+
+    def body(rank):
+        x = np.ones(16, np.float32)
+        k = 0.25
+        if rank == 1 and bad == "size":
+            k = 0.5
+        if rank == 1 and bad == "nan":
+            x[3] = np.nan
+        avg = ChocoAverager({"w": x}, CompressionSpec(compressor="topk", k=k), tag="c", link=network.link(rank),
+                            min_compress_bytes=1 << 20 if bad == "nan" else 0)
+        avg.step()
+
+    with pytest.raises(ValueError, match="rank 1 sent" if bad == "size" else "not finite"):
+        run_ranks(2, lambda rank: body(rank) if rank == 0 else _quietly(body, rank))
+
+
+def _quietly(body, rank):
+    """Rank 1's own round (it may fail on rank 0's message too): only rank 0's error is tested."""
+    try:
+        body(rank)
+    except ValueError:
+        pass
 
 
 # -- the default link ---------------------------------------------------------------------

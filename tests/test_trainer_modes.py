@@ -89,7 +89,7 @@ def test_fp16_alone_picks_allreduce_with_a_warning(monkeypatch):
 def test_gossip_options_defaults_and_normalization():
     options = GossipOptions()
     assert (options.graph, options.peers_per_itr, options.push_sum, options.overlap, options.synch_freq,
-            options.average_every, options.gossip_gamma) == ("npdde", 1, True, False, 0, 0, 0.2)
+            options.average_every, options.gossip_gamma) == ("npdde", 1, True, False, 0, 0, None)
     loose = GossipOptions(overlap=1, push_sum=1, gossip_gamma=1)
     assert loose.overlap is True and loose.push_sum is True and isinstance(loose.gossip_gamma, float)
     ring = Ring(4)

@@ -48,7 +48,9 @@ class GossipOptions:
     messages arrive while the next step computes, at most ``synch_freq`` + 1 rounds open.
     ``average_every=K``: the exact average through the servers every K steps (0: never).
     ``gossip_gamma``: CHOCO's consensus step, used when ``compression_params`` names a
-    compressor. Invalid values raise ValueError naming the option.
+    compressor (None: the compressor's default, see
+    :func:`bps_gossip.gossip.choco.default_gamma`). Invalid values raise ValueError naming
+    the option.
     """
 
     graph: str | Graph = "npdde"
@@ -57,7 +59,7 @@ class GossipOptions:
     overlap: bool = False
     synch_freq: int = 0
     average_every: int = 0
-    gossip_gamma: float = 0.2
+    gossip_gamma: float | None = None
 
     def __post_init__(self) -> None:
         _check_graph(self.graph)
@@ -72,14 +74,15 @@ class GossipOptions:
         if self.overlap and not self.push_sum:
             raise ValueError("gossip option overlap=True needs push_sum=True (push-pull cannot keep a round open)")
         gamma = self.gossip_gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not 0 < gamma <= 1:
-            raise ValueError(f"gossip option gossip_gamma={gamma!r} must be in (0, 1]")
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, numbers.Real)
+                                  or not 0 < gamma <= 1):
+            raise ValueError(f"gossip option gossip_gamma={gamma!r} must be in (0, 1] (or None: the compressor's)")
         # Normalized, so that what the averager receives is exactly what it expects.
         for name in ("push_sum", "overlap"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         for name in ("peers_per_itr", "synch_freq", "average_every"):
             object.__setattr__(self, name, int(getattr(self, name)))
-        object.__setattr__(self, "gossip_gamma", float(gamma))
+        object.__setattr__(self, "gossip_gamma", None if gamma is None else float(gamma))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

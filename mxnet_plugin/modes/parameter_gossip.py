@@ -24,6 +24,7 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip import runtime
 from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.choco import ChocoAverager
@@ -201,8 +202,12 @@ class ParameterGossip:
         self.unpack(self.averager.model())
 
     def _new_averager(self, buffers: dict[str, np.ndarray], start_equal: bool = False) -> GossipAverager:
-        if self.compression is not None:
-            return ChocoAverager(buffers, self.compression, self.gamma, tag=self.tag, start_equal=start_equal)
+        if self.compression is not None:  # each parameter compressed on its own, as allreduce mode does
+            config = runtime.current("compressed gossip").config
+            parts = {key: [size for _, _, size in entries] for key, entries in self.layout.items()}
+            return ChocoAverager(buffers, self.compression, self.gamma, tag=self.tag, start_equal=start_equal,
+                                 parts=parts, min_compress_bytes=config.min_compress_bytes,
+                                 partition_bytes=config.partition_bytes)
         return GossipAverager(buffers, tag=self.tag, **self.averager_args)
 
     def flush(self) -> None:
