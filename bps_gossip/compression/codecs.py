@@ -101,6 +101,12 @@ class Codec:
         """``nbytes`` uint8 -> n float32."""
         raise NotImplementedError
 
+    def variance(self) -> float | None:
+        """omega of an unbiased codec whose error may exceed what it compresses
+        (E||D(C(x)) - x||^2 <= omega ||x||^2), or None: compressed gossip then scales what it
+        adds to its public copies by 1 / (1 + omega) to stay a contraction (CHOCO)."""
+        return None
+
     def roundtrip(self, x: np.ndarray, rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
         """(compressed, decompressed) of ``x``: what error feedback needs."""
         data = self.compress(x, rng)
@@ -254,6 +260,14 @@ class Dithering(Codec):
         level = np.minimum(level, self.top) * np.where(x < 0, -1, 1)
         out[4:] = level.astype(self.level).view(np.uint8)
         return out
+
+    def variance(self) -> float | None:
+        """L2-normalized (QSGD): omega = min(n / s^2, sqrt(n) / s) for s levels (Alistarh et al.,
+        2017, Lemma 3.1; natural levels add 1/8, Horvath et al., 2019). Normalized by the largest
+        magnitude, the error stays below the values in practice: None."""
+        if not self.l2:
+            return None
+        return min(self.n / self.top ** 2, math.sqrt(self.n) / self.top) + (0.125 if self.natural else 0.0)
 
     def decompress(self, data: np.ndarray) -> np.ndarray:
         norm = data[:4].view(np.float32)[0]

@@ -21,11 +21,18 @@ difference it sends.
 ``gamma`` is the consensus step: 1 mixes like plain gossip when nothing is dropped; with
 compression a smaller step keeps consensus stable (measured on a ring of 3 with topk 10%:
 0.4 stalls at a distance of 0.05, 0.2 and below reach exact consensus). The default is
-0.2, and 0.05 for randomk (:func:`default_gamma`): its random coordinates carry little of
-the difference, so a larger step pulls each model toward stale copies (digits MLP, 4
-workers, 10 epochs of gossip SGD, randomk 1%: test accuracy 0.25 at gamma 1, 0.49 at 0.4,
-0.83 at 0.2, 0.96 at 0.05, 0.95 at 0.02). onebit's one scale per piece leaves a small
-floor on the consensus distance.
+0.2, and 0.05 for randomk and L2-normalized dithering (:func:`default_gamma`): they carry
+little of the difference a round, so a larger step pulls each model toward stale copies
+(digits MLP, 4 workers, 10 epochs of gossip SGD, randomk 1%: test accuracy 0.25 at gamma 1,
+0.49 at 0.4, 0.83 at 0.2, 0.96 at 0.05, 0.95 at 0.02; dithering 8 levels L2: 0.42 at 0.6,
+0.95 at 0.2, 0.96 at 0.05). onebit's one scale per piece leaves a small floor on the
+consensus distance.
+
+L2-normalized dithering (QSGD) is unbiased but errs by up to omega = sqrt(n) / s times
+what it compresses (45 for 8 levels over 131,072 weights): CHOCO's public copies would move
+away from the models every round (the digits MLP diverged to 0.11). What it adds to them is
+scaled by 1 / (1 + omega), which makes it a contraction, as CHOCO's paper does for unbiased
+compressors (``Codec.variance``).
 """
 
 from __future__ import annotations
@@ -43,14 +50,18 @@ from .averager import GossipAverager
 from .link import Link, default_link
 
 DEFAULT_GAMMA = 0.2
-COMPRESSOR_GAMMA = {"randomk": 0.05}  # compressors whose default consensus step is not DEFAULT_GAMMA
+WEAK_GAMMA = 0.05  # compressors that carry little of the difference a round: randomk, L2-normalized dithering
 RAW_ITEMSIZE = 4  # pieces sent uncompressed travel as float32
 ALIGN = 8  # every piece's bytes start at a multiple of this in the message (aligned views)
 
 
 def default_gamma(spec: CompressionSpec) -> float:
-    """The consensus step compressed gossip takes with ``spec`` unless told another."""
-    return COMPRESSOR_GAMMA.get(spec.compressor, DEFAULT_GAMMA)
+    """The consensus step compressed gossip takes with ``spec`` unless told another: smaller
+    for compressors that carry little of the difference a round (randomk's random
+    coordinates; L2-normalized dithering, scaled down by 1 / (1 + omega)), where a larger
+    step pulls each model toward stale public copies."""
+    weak = spec.compressor == "randomk" or (spec.compressor == "dithering" and spec.l2)
+    return WEAK_GAMMA if weak else DEFAULT_GAMMA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +77,13 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return self.codec.nbytes if self.codec is not None else RAW_ITEMSIZE * (self.stop - self.start)
+
+    @property
+    def scale(self) -> float:
+        """What the decompressed difference is multiplied by: 1 / (1 + omega) for a codec whose
+        error may exceed the difference (else x_hat would move away from x every round)."""
+        omega = self.codec.variance() if self.codec is not None else None
+        return 1.0 if omega is None else 1.0 / (1.0 + omega)
 
 
 def plan_pieces(sizes: Sequence[int], itemsize: int, spec: CompressionSpec, min_compress_bytes: int,
@@ -148,7 +166,9 @@ class ChocoAverager(GossipAverager):
     def _decompress(piece: Piece, data: np.ndarray) -> np.ndarray:
         if piece.codec is None:
             return data.view(np.float32)
-        return piece.codec.decompress(data)
+        value = piece.codec.decompress(data)
+        scale = piece.scale
+        return value if scale == 1.0 else value * np.float32(scale)
 
     def _absorb(self, peer: int, key: str, data: Any, rnd: int) -> None:
         """Add a neighbour's message for ``key`` to its public copy (checked: size, finite)."""
