@@ -69,7 +69,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``compression_params`` (BytePS's dict, see docs/compression.md): in allreduce mode the
     gradients are compressed as in BytePS; in gossip mode the gossip messages are, by
     CHOCO-Gossip on a ring with consensus step ``gossip_gamma`` (default: the compressor's,
-    0.2, or 0.05 for randomk), each parameter compressed on its own (error feedback and
+    0.2, or 0.05 for randomk and L2 dithering), each parameter compressed on its own (error feedback and
     momentum settings are for gradients and do not apply there).
     """
 
