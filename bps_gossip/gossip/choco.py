@@ -46,6 +46,7 @@ import numpy as np
 from ..compat import zip_exact
 from ..compression import Codec, CompressionSpec, rng_for
 from ..futures import wait
+from ..worker.tensors import partitions
 from .averager import GossipAverager
 from .link import Link, default_link
 
@@ -89,18 +90,19 @@ class Piece:
 def plan_pieces(sizes: Sequence[int], itemsize: int, spec: CompressionSpec, min_compress_bytes: int,
                 partition_bytes: int | None) -> list[Piece]:
     """The pieces of one flat buffer made of consecutive parts of ``sizes`` elements: each
-    part split at ``partition_bytes``; parts under ``min_compress_bytes`` uncompressed."""
-    partition_elements = max(1, partition_bytes // itemsize) if partition_bytes else max(1, sum(sizes))
+    part split at ``partition_bytes`` (None: not split) as push_pull splits a tensor; parts
+    under ``min_compress_bytes`` uncompressed; empty parts send nothing."""
     pieces: list[Piece] = []
     start = offset = 0
     for size in sizes:
         compressed = size * itemsize >= min_compress_bytes
-        end = start + size
-        while start < end:
-            stop = min(end, start + partition_elements)
-            piece = Piece(start, stop, spec.codec(stop - start) if compressed else None, offset)
-            pieces.append(piece)
-            start, offset = stop, -(-(offset + piece.nbytes) // ALIGN) * ALIGN
+        for first, length in partitions(size, itemsize, partition_bytes or max(1, size * itemsize)):
+            if length:
+                piece = Piece(start + first, start + first + length, spec.codec(length) if compressed else None,
+                              offset)
+                pieces.append(piece)
+                offset = -(-(offset + piece.nbytes) // ALIGN) * ALIGN
+        start += size
     return pieces
 
 
