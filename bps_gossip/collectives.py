@@ -15,10 +15,11 @@ import numpy as np
 from .compat import zip_exact
 from .compression import CompressionSpec, PartitionState, compress_on_worker, rng_for
 from .futures import Future, done_future, wait
+from .protocol.data import partitions
 from .runtime import Runtime, current, peek
 from .worker import commands as cmd
 from .worker.operation import Operation
-from .worker.tensors import bits_dtype, check_array, check_name, check_out, partitions
+from .worker.tensors import bits_dtype, check_array, check_name, check_out
 from .worker.trace import now_us
 
 

@@ -15,11 +15,11 @@ from bps_gossip.aggregation import SMALL_PUSH_BYTES
 from bps_gossip.config import Config
 from bps_gossip.errors import PeerLostError, TensorMismatchError
 from bps_gossip.futures import Future
+from bps_gossip.protocol.data import partitions
 from bps_gossip.transport import bind_random_port, recv_message, send_message
 from bps_gossip.worker.operation import Operation
 from bps_gossip.worker.scheduler_link import Book
 from bps_gossip.worker.server_links import ServerLinks
-from bps_gossip.worker.tensors import partitions
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -46,7 +46,7 @@ import numpy as np
 from ..compat import zip_exact
 from ..compression import Codec, CompressionSpec, rng_for
 from ..futures import wait
-from ..worker.tensors import partitions
+from ..protocol.data import partitions
 from .averager import GossipAverager
 from .link import Link, default_link
 

@@ -35,6 +35,19 @@ MAX_ARRAYS = 1024  # arrays in one gossip message
 ERROR_KINDS = ("mismatch", "lost", "timeout", "protocol", "changed")
 
 
+def partitions(count: int, itemsize: int, partition_bytes: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into (offset, length) pieces of at most ``partition_bytes``: what one
+    push carries of a tensor (BYTEPS_PARTITION_BYTES).
+
+    A zero-size tensor still has one (empty) partition, so every rank takes part in the
+    round and a shape mismatch is still detected.
+    """
+    per_part = max(1, partition_bytes // itemsize)
+    if count == 0:
+        return [(0, 0)]
+    return [(start, min(per_part, count - start)) for start in range(0, count, per_part)]
+
+
 _KNOWN_DTYPES = {np.dtype(t).str: np.dtype(t) for t in
                  ("float16", "float32", "float64", "uint8", "uint16", "uint32", "uint64", "int8", "int32", "int64")}
 

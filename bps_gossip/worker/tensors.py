@@ -58,13 +58,3 @@ def bits_dtype(dtype: np.dtype) -> np.dtype:
     return _BITS_OF[np.dtype(dtype).itemsize]
 
 
-def partitions(count: int, itemsize: int, partition_bytes: int) -> list[tuple[int, int]]:
-    """Split ``count`` elements into (offset, length) pieces of at most ``partition_bytes``.
-
-    A zero-size tensor still has one (empty) partition, so every rank takes part in the
-    round and a shape mismatch is still detected.
-    """
-    per_part = max(1, partition_bytes // itemsize)
-    if count == 0:
-        return [(0, 0)]
-    return [(start, min(per_part, count - start)) for start in range(0, count, per_part)]
