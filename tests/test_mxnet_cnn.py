@@ -76,9 +76,9 @@ def test_every_entry_point_trains_cnn(cluster, network, hybridize):
     choco = phases["compressed_gossip"]
     for r in choco:
         assert r["mode"] == "gossip" and r["finite"] and all(np.isfinite(r["distances"]))
-        # bounded, and falling by the end (mobilenet0.25's BatchNorm statistics first grow apart)
+        # bounded, and falling by the end (the BatchNorm statistics first follow the noise, ~1.7x)
         assert max(r["distances"]) < 4 * r["distances"][0], f"compressed gossip diverged: {r['distances']}"
-        assert r["distances"][-1] < max(r["distances"]), r["distances"]
+        assert r["distances"][-1] < max(r["distances"]), f"compressed gossip never drew together: {r['distances']}"
     assert choco[0]["averaged"] == choco[1]["averaged"], "average_parameters() left ranks apart"
 
     state = phases["elastic_state"]
