@@ -5,10 +5,13 @@ auto (each host's leader pushes for it), side by side in one run:
 
 - push_pull: STEPS push_pulls of a --mib MiB float32 tensor;
 - training: STEPS steps of DistributedTrainer(mode='allreduce') on an MLP (--hidden wide) with
-  random data (the gradients of each step are push_pulled in fused buckets).
+  random data (the gradients of each step are push_pulled in fused buckets);
+- gossip: the same in the default mode (gossip): flat, every worker sends its own messages;
+  by host (auto), each host's leader one message per host pair (bps_gossip.gossip.hosts).
 
-It prints, per link rate, the time per step and the bytes the server's link carried in
-(from the kernel's counters of its namespace), and the ratio of auto to off. Needs root:
+It prints, per link rate, the time per step, the bytes the server's link carried in and
+what the first worker host's link sent (from the kernel's counters of their namespaces),
+and the ratios of auto to off. Needs root:
 
     sudo .venv/bin/python scripts/bench_host_reduce.py --mbit 1000 --mbit 100 --json docs/img/host_reduce.json
 """
@@ -57,7 +60,8 @@ else:
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Dense(hidden, activation="relu"), gluon.nn.Dense(hidden, activation="relu"), gluon.nn.Dense(10))
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
-    trainer = DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, mode="allreduce")
+    mode = "allreduce" if what == "training" else "gossip"
+    trainer = DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, mode=mode)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.default_rng(rank)
     data = mx.nd.array(rng.normal(size=(32, 64)).astype(np.float32))
@@ -93,17 +97,20 @@ def run_one(net: netns.Network, mode: str, what: str, args: argparse.Namespace, 
                "BENCH_MIB": str(args.mib), "BENCH_HIDDEN": str(args.hidden), "BENCH_OUT": out,
                "BPS_GOSSIP_TIMEOUT": "600", "PYTHONPATH": str(ROOT)}
         rx0, tx0 = net.traffic("server0")
+        host_tx0 = net.traffic("worker0")[1]
         code = run_job(net, HOSTS, 1, [sys.executable, str(script)], env, local_size=LOCAL)
         rx1, tx1 = net.traffic("server0")
+        host_tx1 = net.traffic("worker0")[1]
         if code:
             raise SystemExit(f"{what} job with BPS_GOSSIP_HOST_REDUCE={mode} failed with exit code {code}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    if len(ranks) != HOSTS * LOCAL or len({r["digest"] for r in ranks}) != 1:
+    if len(ranks) != HOSTS * LOCAL or what != "gossip" and len({r["digest"] for r in ranks}) != 1:
         raise SystemExit(f"{what} {mode}: ranks disagree or are missing: {ranks}")
     # The link counters include the warm-up and the job's start and end: bytes per job, divided.
     warm = 1 if what == "push_pull" else 2
     return {"seconds_per_step": max(r["seconds"] for r in ranks) / steps,
             "server_rx_per_step": (rx1 - rx0) / (steps + warm), "server_tx_per_step": (tx1 - tx0) / (steps + warm),
+            "host_tx_per_step": (host_tx1 - host_tx0) / (steps + warm),
             "digest": ranks[0]["digest"]}
 
 
@@ -129,7 +136,7 @@ def main() -> int:
         for mbit in rates:
             names = ["scheduler", "server0", *(f"worker{i}" for i in range(HOSTS))]
             with netns.Network(names, mbit) as net:
-                for what in ("push_pull", "training"):
+                for what in ("push_pull", "training", "gossip"):
                     row = {"mbit": mbit, "what": what}
                     for mode in ("off", "auto"):
                         row[mode] = run_one(net, mode, what, args, script)
@@ -144,12 +151,15 @@ def main() -> int:
 def print_row(row: dict[str, Any], header: bool) -> None:
     if header:
         print(f"{'link':>10} {'job':>10} | {'off s/step':>10} {'auto s/step':>11} {'speed-up':>8} | "
-              f"{'off MB in':>9} {'auto MB in':>10} {'ratio':>6}", flush=True)
+              f"{'off MB in':>9} {'auto MB in':>10} {'ratio':>6} | {'host0 MB out off':>16} {'auto':>6} {'ratio':>6}",
+              flush=True)
     off, auto = row["off"], row["auto"]
     print(f"{row['mbit']:>5g} Mbit {row['what']:>10} | {off['seconds_per_step']:>10.3f} "
           f"{auto['seconds_per_step']:>11.3f} {off['seconds_per_step'] / auto['seconds_per_step']:>7.2f}x | "
           f"{off['server_rx_per_step'] / 1e6:>9.1f} {auto['server_rx_per_step'] / 1e6:>10.1f} "
-          f"{auto['server_rx_per_step'] / off['server_rx_per_step']:>6.2f}", flush=True)
+          f"{auto['server_rx_per_step'] / max(off['server_rx_per_step'], 1):>6.2f} | "
+          f"{off['host_tx_per_step'] / 1e6:>16.1f} {auto['host_tx_per_step'] / 1e6:>6.1f} "
+          f"{auto['host_tx_per_step'] / off['host_tx_per_step']:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,17 @@ def test_a_stuck_host_leader_is_removed():
 
 
 @pytest.mark.timeout(200)
+def test_gossip_by_host_survives_its_leader_killed():
+    """Gossip by host (bps_gossip.gossip.hosts: one host of three here, the exact average each
+    step): its leader killed mid-round, the others fail the round, shrink and go on."""
+    trial = elastic_trials.run_trial(elastic_trials.Trial("gossip", "KILL", 0, 5), timeout=180,
+                                     extra_env={"BPS_GOSSIP_HOST_REDUCE": "on", "BYTEPS_LOG_LEVEL": "INFO"})
+    assert trial.ok, f"{trial.describe()}\n{trial.output}"
+    assert "gossip by host: 1 hosts of 3 workers" in trial.output, trial.output
+    assert "gossip by host: 1 hosts of 2 workers" in trial.output, trial.output  # after the kill
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("when", ["LAST STEPS", "TRAINED"])
 def test_joiner_arriving_as_the_job_ends_exits_zero(when):
     """During the last steps it is admitted (or told the job is over); once a worker finished

@@ -178,3 +178,63 @@ def test_a_dead_leader_is_replaced_and_training_stays_exact(cluster):
     assert places[2][2] == places[3][2] == min(new_rank[2], new_rank[3]), places  # B's new leader
     assert places[0][2] == new_rank[0], places
     job.wait_servers_exit()
+
+
+GOSSIP_BY_HOST = '''
+import hashlib, numpy as np, mxnet as mx
+from mxnet import autograd, gluon
+import mxnet_plugin as bps
+bps.init()
+rank = bps.rank()
+mx.random.seed(rank)
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(16, activation="relu"), gluon.nn.BatchNorm(), gluon.nn.Dense(3))
+net.initialize(mx.init.Xavier())
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05})
+rng = np.random.RandomState(rank)
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+for step in range(6):
+    data, label = mx.nd.array(rng.uniform(-1, 1, (8, 5))), mx.nd.array(rng.randint(0, 3, 8))
+    with autograd.record():
+        loss = loss_fn(net(data), label)
+    loss.backward()
+    trainer.step(8)
+def digest():
+    h = hashlib.sha256()
+    for _, p in sorted(net.collect_params().items()):
+        h.update(p.data().asnumpy().tobytes())
+    return h.hexdigest()
+trained = digest()
+averager = type(trainer._mode.gossip.averager).__name__
+finite = all(np.isfinite(p.data().asnumpy()).all() for p in net.collect_params().values())
+distance = trainer.consensus_distance()
+trainer.average_parameters()
+report({"rank": rank, "trained": trained, "averager": averager, "finite": finite, "distance": distance,
+        "averaged": digest()})
+bps.shutdown()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster):
+    """DistributedTrainer's default mode on two hosts of two: exact within a host, one message per
+    host pair between the leaders (tests/test_gossip_hosts.py counts them)."""
+    done = sorted(on_two_hosts(cluster, GOSSIP_BY_HOST), key=lambda f: f.result["rank"])
+    results = [f.result for f in done]
+    assert all(r["averager"] == "HostAverager" and r["finite"] for r in results), results
+    # Two hosts: each round the leaders swap halves, an exact average, so all four hold one model
+    # (flat gossip leaves them apart: 3 of its 4 messages a round cross between the hosts).
+    assert len({r["trained"] for r in results}) == 1
+    assert all(r["distance"] == 0.0 for r in results)
+    assert len({r["averaged"] for r in results}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_gossip_stays_flat_without_host_reduce(cluster):
+    job = cluster(4, 1, {"BPS_GOSSIP_HOST_REDUCE": "off"})
+    done = job.run_workers(GOSSIP_BY_HOST, timeout=80, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    results = [f.result for f in sorted(done, key=lambda f: f.result["rank"])]
+    assert all(r["averager"] == "GossipAverager" and r["finite"] for r in results), results
+    assert len({r["trained"] for r in results}) > 1 and results[0]["distance"] > 0
+    assert len({r["averaged"] for r in results}) == 1

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..compat import zip_exact
 from ..futures import Future
+from ..host_groups import host_groups
 from . import commands as cmd
 from .engine import Engine
 
@@ -31,10 +32,18 @@ class PeerLink:
         self._push_pull = push_pull
         self._timeout = timeout
         self._local: frozenset[int] = frozenset()
+        self._groups: list[tuple[int, ...]] = []
         self.tracer = engine.tracer if engine is not None else None  # BYTEPS_TRACE_ON: gossip rounds too
         book = engine.book if engine is not None else None
         if book is not None and engine.segments is not None:
             self._local = frozenset(i for i in range(book.size) if i != book.rank and book.same_host(i))
+            self._groups = host_groups([w["addr"] for w in book.workers],
+                                       [w.get("host_reduce", "off") for w in book.workers], book.servers)
+
+    def host_groups(self) -> list[tuple[int, ...]]:
+        """The ranks of each host when the job reduces by host (bps_gossip.host_groups), the
+        leader first; every rank alone when it does not."""
+        return list(self._groups) or [(rank,) for rank in range(self.size)]
 
     def timeout(self) -> float:
         """The backstop for waiting on a round (the engine fails it after BPS_GOSSIP_TIMEOUT)."""

@@ -17,6 +17,7 @@ which forward passes move, are gossiped with the weights like that, and
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Dict, List, Tuple
 
@@ -28,11 +29,14 @@ from bps_gossip import runtime
 from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.choco import ChocoAverager
+from bps_gossip.gossip.hosts import HostAverager, fits
+from bps_gossip.gossip.link import default_link
 from bps_gossip.protocol.data import MAX_ARRAYS
 
 from ..layouts import IdleViews
 from .options import GossipOptions
 
+log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
 
 Layout = Dict[str, List[Tuple[mx.gluon.Parameter, int, int]]]  # dtype -> (parameter, offset, size) in its flat buffer
@@ -70,6 +74,7 @@ class ParameterGossip:
         self.graph_spec = averager_args["graph"]  # a name can be rebuilt for another size (elastic)
         averager_args["graph"] = GossipAverager.check_arguments(core.size(), **averager_args)
         self.averager_args = averager_args
+        self.groups = self._host_groups()
         self.direct = self._mixes_in_place()
         self.averager: GossipAverager | None = None
         self.layout: Layout = {}  # every gossiped parameter, by dtype
@@ -79,11 +84,21 @@ class ParameterGossip:
         self.views = IdleViews()  # of every parameter copy, read and written every step
         _live.add(self)
 
+    def _host_groups(self) -> list[tuple[int, ...]] | None:
+        """The hosts gossip goes by (bps_gossip.gossip.hosts: exact within a host, one message
+        per host pair), or None: flat gossip (compressed, rounds left open, no host reduce,
+        hosts of unequal size)."""
+        if self.compression is not None or core.size() == 1:
+            return None
+        groups = getattr(default_link(), "host_groups", lambda: None)()
+        args = self.averager_args
+        return groups if groups and fits(groups, self.graph_spec, args["overlap"]) else None
+
     def _mixes_in_place(self) -> bool:
         """Whether the averager's x can be the parameters' own memory (no copies in or out):
-        uncompressed, w always 1 and no round left open, few enough arrays for one message."""
+        uncompressed and flat, w always 1 and no round left open, few enough arrays for one message."""
         args = self.averager_args
-        return (self.compression is None and 0 < len(self._gossiped()) <= MAX_ARRAYS
+        return (self.compression is None and self.groups is None and 0 < len(self._gossiped()) <= MAX_ARRAYS
                 and GossipAverager.model_is_x(args["graph"], args["push_sum"], args["overlap"]))
 
     def _mix_in_place(self) -> None:
@@ -124,6 +139,7 @@ class ParameterGossip:
                              f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
         args = {**self.averager_args, "graph": self.graph_spec}
         self.averager_args["graph"] = GossipAverager.check_arguments(core.size(), **args)
+        self.groups = self._host_groups()  # the new generation's hosts
         self.direct = self._mixes_in_place()  # the new size's graph may be regular or not
         self.layout = {}  # built again for it
         self.averager = None
@@ -208,6 +224,11 @@ class ParameterGossip:
             return ChocoAverager(buffers, self.compression, self.gamma, tag=self.tag, start_equal=start_equal,
                                  parts=parts, min_compress_bytes=config.min_compress_bytes,
                                  partition_bytes=config.partition_bytes)
+        if self.groups is not None:
+            args = {**self.averager_args, "graph": self.graph_spec}  # a name: built for the number of hosts
+            log.info("gossip by host: %d hosts of %d workers, exact within a host, one message per host pair "
+                     "(BPS_GOSSIP_HOST_REDUCE=off: flat)", len(self.groups), len(self.groups[0]))
+            return HostAverager(buffers, self.groups, tag=self.tag, **args)
         return GossipAverager(buffers, tag=self.tag, **self.averager_args)
 
     def flush(self) -> None:
