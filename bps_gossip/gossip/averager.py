@@ -33,21 +33,26 @@ class GossipAverager:
     def __init__(self, buffers: Mapping[str, np.ndarray], graph: str | Graph = "npdde", peers_per_itr: int = 1,
                  push_sum: bool = True, overlap: bool = False, synch_freq: int = 0, tag: str = "gossip",
                  mixing: object = None, link: Link | None = None) -> None:
-        self.link = default_link() if link is None else link
-        self.rank, self.size = self.link.rank, self.link.size
+        self._start(buffers, link, tag)
         self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq)
-        self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
-        for key, value in self.x.items():
-            if value.dtype.kind != "f":
-                raise TypeError(f"GossipAverager: buffer {key!r} is {value.dtype}; gossip averages floating point only")
-        self.weight = 1.0
-        self.rnd = 0
-        self.tag = tag
         self.overlap = overlap
         self.synch_freq = synch_freq
         # The weight must travel unless every round is regular, complete and closed at once.
         track = overlap or not self.graph.is_regular
         self.gossiper = PushSum(self.graph, self.link, tag, mixing, track) if push_sum else PushPull(self.graph, self.link, tag)
+
+    def _start(self, buffers: Mapping[str, np.ndarray], link: Link | None, tag: str) -> None:
+        """The state every averager starts with: the link, copies of the buffers as x (floating
+        point only), w = 1, round 0, no round open."""
+        self.link = default_link() if link is None else link
+        self.rank, self.size = self.link.rank, self.link.size
+        self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
+        for key, value in self.x.items():
+            if value.dtype.kind != "f":
+                raise TypeError(f"{type(self).__name__}: buffer {key!r} is {value.dtype}; gossip averages "
+                                "floating point only")
+        self.weight, self.rnd, self.tag = 1.0, 0, tag
+        self.overlap, self.synch_freq = False, 0
         self.open: collections.deque[PendingRound] = collections.deque()
 
     @staticmethod

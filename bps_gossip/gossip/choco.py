@@ -48,7 +48,7 @@ from ..compression import Codec, CompressionSpec, rng_for
 from ..futures import wait
 from ..protocol.data import partitions
 from .averager import GossipAverager
-from .link import Link, default_link
+from .link import Link
 
 DEFAULT_GAMMA = 0.2
 WEAK_GAMMA = 0.05  # compressors that carry little of the difference a round: randomk, L2-normalized dithering
@@ -124,14 +124,7 @@ class ChocoAverager(GossipAverager):
         gamma = default_gamma(spec) if gamma is None else gamma
         if not 0 < gamma <= 1:
             raise ValueError(f"compressed gossip: gamma={gamma!r} must be in (0, 1]")
-        self.link = default_link() if link is None else link
-        self.rank, self.size = self.link.rank, self.link.size
-        self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
-        for key, value in self.x.items():
-            if value.dtype.kind != "f":
-                raise TypeError(f"ChocoAverager: buffer {key!r} is {value.dtype}; gossip averages floating point only")
-        self.weight, self.rnd, self.tag = 1.0, 0, tag
-        self.overlap, self.synch_freq, self.open = False, 0, []
+        self._start(buffers, link, tag)
         self.spec, self.gamma = spec, gamma
         self.neighbors = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
         self.mix = 1.0 / (len(self.neighbors) + 1)

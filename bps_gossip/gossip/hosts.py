@@ -28,7 +28,7 @@ from ..compat import zip_exact
 from ..futures import wait
 from .averager import GossipAverager
 from .graphs import Graph
-from .link import Link, Received, default_link
+from .link import Link, Received
 
 
 def fits(groups: Sequence[tuple[int, ...]], graph: str | Graph, overlap: bool) -> bool:
@@ -95,14 +95,7 @@ class HostAverager(GossipAverager):
                  **ignored: Any) -> None:
         if not fits(groups, graph, ignored.get("overlap", False)):
             raise ValueError(f"gossip by host needs hosts of equal size and a graph name; got {list(groups)}")
-        self.link = default_link() if link is None else link
-        self.rank, self.size = self.link.rank, self.link.size
-        self.x = {key: np.array(value, copy=True).reshape(-1) for key, value in buffers.items()}
-        for key, value in self.x.items():
-            if value.dtype.kind != "f":
-                raise TypeError(f"HostAverager: buffer {key!r} is {value.dtype}; gossip averages floating point only")
-        self.weight, self.rnd, self.tag = 1.0, 0, tag
-        self.overlap, self.synch_freq, self.open = False, 0, []
+        self._start(buffers, link, tag)
         self.group = next(group for group in groups if self.rank in group)
         self.leader = self.group[0]
         self.hosts: GossipAverager | None = None

@@ -6,7 +6,12 @@ default link, made by a provider that the package registers when it is imported
 (``bps_gossip`` registers the worker's peer link; this package never imports it).
 
 ``expect`` returns a :class:`concurrent.futures.Future`; gossip uses only ``done()``
-and ``result(timeout)`` on it (see :func:`bps_gossip.futures.wait`).
+and ``result(timeout)`` on it (see :func:`bps_gossip.futures.wait`), and
+``add_done_callback`` where a link wraps another (:class:`.hosts.HostsLink`).
+
+A link may also have ``host_groups()``: the ranks of each host when the job reduces by
+host, leader first (the worker's link does); gossip then goes by host where it fits
+(:mod:`.hosts`).
 """
 
 from __future__ import annotations
