@@ -41,6 +41,8 @@ def test_it_fits_hosts_of_equal_size_with_a_graph_name_and_no_open_rounds():
     assert not fits([], "npdde", False)
     with pytest.raises(ValueError, match="equal size"):
         HostAverager({"w": np.zeros(2)}, [(0, 1), (2,)], link=FakeNetwork(3).link(0))
+    with pytest.raises(ValueError, match="peers_per_itr"):  # on a local too, not only where the graph is built
+        HostAverager({"w": np.zeros(2)}, [(0, 1), (2, 3)], graph="dde", peers_per_itr=2, link=FakeNetwork(4).link(1))
 
 
 @pytest.mark.parametrize("n,local", [(4, 2), (8, 2), (6, 3), (8, 4)])

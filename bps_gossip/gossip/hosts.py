@@ -96,6 +96,8 @@ class HostAverager(GossipAverager):
         if not fits(groups, graph, ignored.get("overlap", False)):
             raise ValueError(f"gossip by host needs hosts of equal size and a graph name; got {list(groups)}")
         self._start(buffers, link, tag)
+        # every rank checks the leaders' graph, so a bad one fails everywhere, not only on the leaders
+        self.check_arguments(len(groups), graph, peers_per_itr, push_sum, False, 0)
         self.group = next(group for group in groups if self.rank in group)
         self.leader = self.group[0]
         self.hosts: GossipAverager | None = None
