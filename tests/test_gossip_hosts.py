@@ -33,12 +33,13 @@ def cross_host_sends(network):
 
 
 def test_it_fits_hosts_of_equal_size_with_a_graph_name_and_no_open_rounds():
-    assert fits([(0, 1), (2, 3)], "npdde", False)
-    assert fits([(0, 1, 2)], "ring", False)  # one host: the exact average every step
-    assert not fits([(0,), (1,)], "npdde", False)  # nobody shares a host
-    assert not fits([(0, 1), (2,)], "npdde", False)  # a host's mean would not stand for its workers
-    assert not fits([(0, 1), (2, 3)], "npdde", True)  # overlap
-    assert not fits([], "npdde", False)
+    assert fits([(0, 1), (2, 3)], "npdde")
+    assert fits([(0, 1, 2)], "ring")  # one host: the exact average every step
+    assert not fits([(0,), (1,)], "npdde")  # nobody shares a host
+    assert not fits([(0, 1), (2,)], "npdde")  # a host's mean would not stand for its workers
+    assert not fits([(0, 1), (2, 3)], "npdde", overlap=True)
+    assert not fits(None, "npdde")
+    assert not fits([], "npdde")
     with pytest.raises(ValueError, match="equal size"):
         HostAverager({"w": np.zeros(2)}, [(0, 1), (2,)], link=FakeNetwork(3).link(0))
     with pytest.raises(ValueError, match="peers_per_itr"):  # on a local too, not only where the graph is built
@@ -144,3 +145,13 @@ def test_average_exactly_and_consensus_distance_go_through_every_worker():
     for before, x, after in run_ranks(n, body):
         assert before > 1 and after == pytest.approx(0.0, abs=1e-12)
         np.testing.assert_allclose(x, mean, rtol=1e-12)
+
+
+@pytest.mark.parametrize("weight", [float("inf"), -1.0, 0.0, "1", None], ids=["inf", "negative", "zero", "text", "missing"])
+def test_a_local_refuses_a_bad_weight_from_its_leader(weight):
+    network = FakeNetwork(2, local=2)
+    local = HostAverager({"w": np.zeros(4)}, [(0, 1)], tag="b", link=network.link(1))
+    header = {"tag": "b.down", "round": 0, "keys": ["w"], **({} if weight is None else {"weight": weight})}
+    network.link(0).send(1, header, [np.zeros(4)])
+    with pytest.raises(ValueError, match="rank 0.*bad weight"):
+        local.step()

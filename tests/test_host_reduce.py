@@ -183,22 +183,24 @@ def test_a_dead_leader_is_replaced_and_training_stays_exact(cluster):
 GOSSIP_BY_HOST = '''
 import hashlib, numpy as np, mxnet as mx
 from mxnet import autograd, gluon
+from mxnet.gluon.model_zoo import vision
 import mxnet_plugin as bps
 bps.init()
 rank = bps.rank()
 mx.random.seed(rank)
-net = gluon.nn.HybridSequential()
-net.add(gluon.nn.Dense(16, activation="relu"), gluon.nn.BatchNorm(), gluon.nn.Dense(3))
+net = vision.mobilenet0_25(classes=3)  # BatchNorm's running statistics are gossiped too
 net.initialize(mx.init.Xavier())
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05})
+if HYBRIDIZE:
+    net.hybridize()
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01})
 rng = np.random.RandomState(rank)
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-for step in range(6):
-    data, label = mx.nd.array(rng.uniform(-1, 1, (8, 5))), mx.nd.array(rng.randint(0, 3, 8))
+for step in range(4):
+    data, label = mx.nd.array(rng.uniform(-1, 1, (4, 3, 32, 32))), mx.nd.array(rng.randint(0, 3, 4))
     with autograd.record():
         loss = loss_fn(net(data), label)
     loss.backward()
-    trainer.step(8)
+    trainer.step(4)
 def digest():
     h = hashlib.sha256()
     for _, p in sorted(net.collect_params().items()):
@@ -216,10 +218,11 @@ bps.shutdown()
 
 
 @pytest.mark.timeout(120)
-def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster):
-    """DistributedTrainer's default mode on two hosts of two: exact within a host, one message per
-    host pair between the leaders (tests/test_gossip_hosts.py counts them)."""
-    done = sorted(on_two_hosts(cluster, GOSSIP_BY_HOST), key=lambda f: f.result["rank"])
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster, hybridize):
+    """DistributedTrainer's default mode on two hosts of two, mobilenet0.25: exact within a host,
+    one message per host pair between the leaders (tests/test_gossip_hosts.py counts them)."""
+    done = sorted(on_two_hosts(cluster, f"HYBRIDIZE = {hybridize}\n" + GOSSIP_BY_HOST), key=lambda f: f.result["rank"])
     results = [f.result for f in done]
     assert all(r["averager"] == "HostAverager" and r["finite"] for r in results), results
     # Two hosts: each round the leaders swap halves, an exact average, so all four hold one model
@@ -232,7 +235,7 @@ def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster)
 @pytest.mark.timeout(120)
 def test_gossip_stays_flat_without_host_reduce(cluster):
     job = cluster(4, 1, {"BPS_GOSSIP_HOST_REDUCE": "off"})
-    done = job.run_workers(GOSSIP_BY_HOST, timeout=80, per_rank_env=TWO_HOSTS)
+    done = job.run_workers("HYBRIDIZE = False\n" + GOSSIP_BY_HOST, timeout=80, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     results = [f.result for f in sorted(done, key=lambda f: f.result["rank"])]
     assert all(r["averager"] == "GossipAverager" and r["finite"] for r in results), results

@@ -18,23 +18,26 @@ flat, as compressed partitions skip the host reduce of push_pull.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import fields
 from ..compat import zip_exact
+from ..errors import ProtocolError
 from ..futures import wait
 from .averager import GossipAverager
 from .graphs import Graph
 from .link import Link, Received
 
 
-def fits(groups: Sequence[tuple[int, ...]], graph: str | Graph, overlap: bool) -> bool:
+def fits(groups: Sequence[tuple[int, ...]] | None, graph: str | Graph, overlap: bool = False) -> bool:
     """Whether gossip goes by host for these host groups (None or all alone: no host reduce)
     and arguments: some host has several workers, every host as many, a graph given by name
-    (an explicit one is for workers, not hosts) and no round left open."""
+    (an explicit one is for workers, not hosts) and no round left open. The same answer on
+    every rank: the groups and arguments are the same. (Every named graph that a job's
+    workers can use builds for any number of hosts: checked for 1-8 with 1-3 peers.)"""
     return (bool(groups) and len(groups[0]) > 1 and len({len(g) for g in groups}) == 1
             and isinstance(graph, str) and not overlap)
 
@@ -93,11 +96,11 @@ class HostAverager(GossipAverager):
     def __init__(self, buffers: Mapping[str, np.ndarray], groups: Sequence[tuple[int, ...]], graph: str = "npdde",
                  peers_per_itr: int = 1, push_sum: bool = True, tag: str = "gossip", link: Link | None = None,
                  **ignored: Any) -> None:
+        # every rank checks the leaders' graph, so a bad one fails everywhere, not only on the leaders
+        self.check_arguments(len(groups), graph, peers_per_itr, push_sum, False, 0)
         if not fits(groups, graph, ignored.get("overlap", False)):
             raise ValueError(f"gossip by host needs hosts of equal size and a graph name; got {list(groups)}")
         self._start(buffers, link, tag)
-        # every rank checks the leaders' graph, so a bad one fails everywhere, not only on the leaders
-        self.check_arguments(len(groups), graph, peers_per_itr, push_sum, False, 0)
         self.group = next(group for group in groups if self.rank in group)
         self.leader = self.group[0]
         self.hosts: GossipAverager | None = None
@@ -114,10 +117,13 @@ class HostAverager(GossipAverager):
             self._send(self.leader, "up", rnd, {})
             received = self._receive("down", rnd, [self.leader])
             header, arrays = received[self.leader]
-            weight = header.get("weight")
-            if isinstance(weight, bool) or not isinstance(weight, float) or not math.isfinite(weight) or weight <= 0:
-                raise ValueError(f"gossip by host {self.tag!r} round {rnd}: the leader (rank {self.leader}) sent "
-                                 f"weight {weight!r}")
+            try:
+                weight = fields.number(header, "weight")
+                if weight <= 0:
+                    raise ProtocolError(f"field 'weight'={weight} must be positive")
+            except ProtocolError as exc:
+                raise ValueError(f"gossip by host {self.tag!r} round {rnd}: the leader (rank {self.leader}) sent a "
+                                 f"bad weight: {exc}") from None
             for key, array in zip_exact(keys, arrays):
                 np.copyto(self.x[key], array)
             self.weight = weight
@@ -125,10 +131,9 @@ class HostAverager(GossipAverager):
             return
         locals_ = list(self.group[1:])
         received = self._receive("up", rnd, locals_)
-        for key in keys:
-            value = self.x[key]
+        for index, value in enumerate(self.x.values()):
             for rank in locals_:
-                value += received[rank][1][keys.index(key)]
+                value += received[rank][1][index]
             value /= value.dtype.type(len(self.group))
         self.link.consumed(received)
         self.hosts.step()

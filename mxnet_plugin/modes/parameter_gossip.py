@@ -92,14 +92,7 @@ class ParameterGossip:
             return None
         groups = getattr(default_link(), "host_groups", lambda: None)()
         args = self.averager_args
-        if not groups or not fits(groups, self.graph_spec, args["overlap"]):
-            return None
-        try:  # the same decision on every rank: the groups and arguments are the same
-            GossipAverager.check_arguments(len(groups), self.graph_spec, args["peers_per_itr"], args["push_sum"],
-                                           False, 0)
-        except ValueError:  # the graph cannot be built for this many hosts
-            return None
-        return groups
+        return groups if fits(groups, self.graph_spec, args["overlap"]) else None
 
     def _mixes_in_place(self) -> bool:
         """Whether the averager's x can be the parameters' own memory (no copies in or out):
