@@ -365,16 +365,13 @@ def main() -> int:
     try:
         return _run()
     finally:
-        # bpslaunch made the secret file for this job and removes it once it has stopped every
-        # worker it started (a replacement may still be starting and read it now); killed, it
-        # cannot: then the scheduler removes it, and the segments of its workers (killed too).
-        if owned and os.getppid() != launcher:
+        if owned:  # bpslaunch made it for this job (and may have been killed): the job is over
             try:
                 os.unlink(owned)
             except OSError:
                 pass
             port = os.environ.get("DMLC_PS_ROOT_PORT", "")
-            if port.isdigit():
+            if os.getppid() != launcher and port.isdigit():  # bpslaunch was killed, its workers too
                 time.sleep(0.5)
                 shm.sweep(port)
 
