@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,8 +22,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cluster import FAST_ENV, free_port, read_output
+from cluster import FAST_ENV, Cluster, free_port, read_output
 
+from bps_gossip.config import OWNED_SECRET_VAR
 from bps_gossip.launch import cli, supervisor
 from bps_gossip.launch.supervisor import kill_groups
 
@@ -343,6 +346,37 @@ def test_sigkill_of_bpslaunch_leaves_no_process_and_no_secret(job):
         assert _state(int(pid)) in ("gone", "Z"), pid
     job.assert_nothing_left()
     assert not secret.exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("signum,removed", [(signal.SIGTERM, False), (signal.SIGHUP, True)])
+def test_the_scheduler_removes_the_secret_only_when_its_launcher_died(tmp_path, signum, removed):
+    """CI, 1 run in about 9: the scheduler removed bpslaunch's secret file as an elastic job
+    ended, and a replacement bpslaunch had just started read a missing file (a traceback). An
+    ordinary stop (SIGTERM) leaves the file to bpslaunch, which removes it after its last worker;
+    SIGHUP, the parent-death signal bpslaunch arms, means bpslaunch was killed."""
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    cluster = Cluster(tmp_path, workers=1, start_servers=False,
+                      env={"BPS_GOSSIP_SECRET": None, "BPS_GOSSIP_SECRET_FILE": str(secret),
+                           OWNED_SECRET_VAR: "1"})
+    try:
+        proc = cluster.spawn_role("scheduler")
+        deadline = time.monotonic() + 20
+        while not _listening(cluster.port):  # its handlers are set before it binds
+            assert proc.poll() is None and time.monotonic() < deadline, cluster.dump()
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        assert proc.wait(10) == 128 + signum, cluster.dump()
+        assert secret.exists() != removed, cluster.dump()
+    finally:
+        cluster.close()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _state(pid: int) -> str:

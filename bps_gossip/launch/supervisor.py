@@ -142,7 +142,9 @@ class Supervisor:
         stdin = subprocess.DEVNULL if prefix is not None or role != "worker" else None
         if stdin_data is not None:
             stdin = subprocess.PIPE
-        death = signal.SIGTERM if role == "scheduler" else signal.SIGKILL
+        # the scheduler cleans up after a killed launcher (bps_gossip.scheduler.node.main), and
+        # SIGHUP tells it apart from an ordinary stop
+        death = signal.SIGHUP if role == "scheduler" else signal.SIGKILL
         proc = start_in_session(argv, env, parent_death=death, stdin=stdin, stdout=pipe, stderr=pipe)
         if stdin_data is not None:
             assert proc.stdin is not None

@@ -360,18 +360,26 @@ def main() -> int:
     """Entry point: run the scheduler from the environment."""
     owned = os.environ.get("BPS_GOSSIP_SECRET_FILE") if os.environ.get(OWNED_SECRET_VAR) == "1" else None
     launcher = os.getppid()
+    launcher_died: list[int] = []
     if threading.current_thread() is threading.main_thread():  # SIGTERM ends it through its clean-up
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+        # bpslaunch arms SIGHUP as our parent-death signal. getppid() alone cannot tell: the kernel
+        # sends it as bpslaunch's main thread ends, and may hand us to its other threads first.
+        signal.signal(signal.SIGHUP, lambda signum, _frame: (launcher_died.append(signum),
+                                                              sys.exit(128 + signum)))
     try:
         return _run()
     finally:
-        if owned:  # bpslaunch made it for this job (and may have been killed): the job is over
+        # bpslaunch made the secret file for this job and removes it once it has stopped every
+        # worker it started (a replacement may still be starting and about to read it). Killed,
+        # it cannot: then the scheduler removes it, and the segments of its workers (killed too).
+        if owned and (launcher_died or os.getppid() != launcher):
             try:
                 os.unlink(owned)
             except OSError:
                 pass
             port = os.environ.get("DMLC_PS_ROOT_PORT", "")
-            if os.getppid() != launcher and port.isdigit():  # bpslaunch was killed, its workers too
+            if port.isdigit():
                 time.sleep(0.5)
                 shm.sweep(port)
 
