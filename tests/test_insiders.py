@@ -4,6 +4,7 @@ crash a role. Real processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import tempfile
@@ -298,20 +299,22 @@ def test_joiners_waiting_are_bounded(cluster):
 @pytest.mark.timeout(60)
 def test_failed_handshakes_are_logged_and_rate_limited(cluster):
     """Issue 22, item 6: failed handshakes were neither logged nor counted (1,600 guesses in 0.4 s
-    left no trace). The scheduler and servers log them, at most one line per 10 s with a count."""
+    left no trace). The scheduler and servers log them, at most one line per 10 s with a count
+    and the peers' addresses."""
     from bps_gossip.transport.security import JobKeys
 
     job = cluster(1)
     guesser = make_socket(zmq.Context.instance(), zmq.DEALER, JobKeys.from_secret("guess-" + "5" * 40), serve=False)
     guesser.setsockopt(zmq.LINGER, 0)
     guesser.setsockopt(zmq.RECONNECT_IVL, 20)  # it tries again and again
-    guesser.connect(f"tcp://127.0.0.1:{job.port}")
+    guesser.connect(f"tcp://127.0.0.3:0;127.0.0.1:{job.port}")  # from another address than the job's
     time.sleep(3.0)  # three seconds of guessing: many failures
     guesser.close()
     wait_for_line(job.scheduler, "failed the secure handshake", job)
     lines = [line for line in open(job.scheduler.err_file.name) if "failed the secure handshake" in line]
     assert len(lines) == 1, lines  # many failures, one line in 10 s
     assert f"tcp://127.0.0.1:{job.port}" in lines[0] or "0.0.0.0" in lines[0], lines
+    assert re.search(r"from 127\.0\.0\.3:\d+", lines[0]), lines  # the guesser's own address
 
 
 FALSE_STALL_REPORT = STEADY.replace('print("READY", flush=True)', '''from bps_gossip import api

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -36,6 +37,8 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ConfigError
 
 MIN_SECRET_CHARS = 16
+MAX_TRACKED_CONNECTIONS = 4096  # accepted connections whose peers a FailedHandshakes remembers
+MAX_LOGGED_PEERS = 8  # peers named in one log line
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -141,36 +144,93 @@ def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) 
 
 class FailedHandshakes:
     """Counts the connections to a bound socket that fail their secure handshake (a process
-    without the job's secret, or with another one) and logs them, at most once per
-    ``every`` seconds with the count since the last line: a guesser cannot flood the log, and a
-    job's owner sees that someone knocks. Call :meth:`check` from the socket's own loop."""
+    without the job's secret, or with another one) and logs them with the peers' addresses, at
+    most once per ``every`` seconds with the count since the last line: a guesser cannot flood
+    the log, and a job's owner sees who knocks. Call :meth:`check` from the socket's own loop.
+
+    libzmq's failure events name only the bound endpoint, never the peer. A thread of its own
+    therefore reads the socket's monitor as events come: an accepted connection's event carries
+    its file descriptor, whose peer address it reads at once (the descriptor stays that
+    connection's until libzmq reports it disconnected), and a failure is followed by the
+    failed connection's disconnect, which names the descriptor. Best effort: an address the
+    thread was too late to read shows as "?"."""
 
     def __init__(self, sock: zmq.Socket, log: logging.Logger, every: float = 10.0) -> None:
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.log = log
         self.every = every
         self.count = 0  # since the last line
         self.total = 0
+        self.endpoint = ""
+        self.peers: list[str] = []  # of the failures since the last line, at most MAX_LOGGED_PEERS
         self._next = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bpsg-handshakes", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        accepted: dict[int, str] = {}  # descriptor -> peer, of the connections not yet disconnected
+        unattributed = 0  # failures whose disconnect has not come yet
+        while not self._stop.is_set():
+            try:
+                if not self.monitor.poll(100):
+                    continue
+                event = recv_monitor_message(self.monitor)
+            except zmq.ZMQError:
+                return  # closed
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                if len(accepted) < MAX_TRACKED_CONNECTIONS:
+                    accepted[value] = peer_of(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                peer = accepted.pop(value, "?")
+                if unattributed:
+                    unattributed -= 1
+                    with self._lock:
+                        if len(self.peers) < MAX_LOGGED_PEERS and peer not in self.peers:
+                            self.peers.append(peer)
+            else:
+                unattributed = min(unattributed + 1, MAX_TRACKED_CONNECTIONS)
+                with self._lock:
+                    self.count += 1
+                    self.total += 1
+                    self.endpoint = event.get("endpoint", b"").decode(errors="replace")
 
     def check(self) -> None:
-        """Read what happened (non-blocking); log when it is time."""
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            self.count += 1
-            self.total += 1
-            endpoint = event.get("endpoint", b"").decode(errors="replace")
-            now = time.monotonic()
-            if now >= self._next:
-                self.log.warning("%d connection(s) to %s failed the secure handshake in the last %.0f s "
-                                 "(%d in all): a process without this job's secret, or with another one",
-                                 self.count, endpoint, self.every, self.total)
-                self.count = 0
-                self._next = now + self.every
+        """Log what happened since the last line, when it is time (non-blocking)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self.count or now < self._next:
+                return
+            count, total, endpoint, peers = self.count, self.total, self.endpoint, self.peers
+            self.count, self.peers = 0, []
+        self._next = now + self.every
+        self.log.warning("%d connection(s) to %s from %s failed the secure handshake in the last %.0f s "
+                         "(%d in all): a process without this job's secret, or with another one",
+                         count, endpoint, ", ".join(peers) or "?", self.every, total)
 
     def close(self) -> None:
         """Stop counting."""
+        self._stop.set()
+        self._thread.join(2.0)
         self.monitor.close(linger=0)
+
+
+def peer_of(fd: int) -> str:
+    """The address (host:port) of the peer of the connected TCP socket ``fd``, or "?" (not a
+    TCP socket, or closed already). The descriptor stays open: libzmq owns it."""
+    try:
+        conn = socket.socket(fileno=fd)
+    except OSError:
+        return "?"
+    try:
+        address = conn.getpeername()
+        return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
+    except OSError:
+        return "?"
+    finally:
+        conn.detach()
 
 
 class HandshakeWatch:
