@@ -258,6 +258,8 @@ def _entry(cls: type[Message], handle: Handler, bad: OnMalformed | None) -> Call
     return answered
 
 
-def send(sock: Any, msg: Message, payloads: Any = (), route: bytes | None = None) -> None:
-    """Send ``msg`` (and zero-copy ``payloads``) on ``sock``; ``route``: to that peer of a ROUTER."""
-    send_message(sock, msg.encode(), payloads, route)
+def send(sock: Any, msg: Message, payloads: Any = (), route: bytes | None = None, flags: int = 0,
+         track: bool = False) -> Any:
+    """Send ``msg`` (and zero-copy ``payloads``) on ``sock``; ``route``: to that peer of a ROUTER.
+    ``flags`` and ``track``: as :func:`bps_gossip.transport.framing.send_message`."""
+    return send_message(sock, msg.encode(), payloads, route, flags, track)

@@ -36,6 +36,7 @@ from ..transport import bind_random_port
 from ..transport.receive import DropLog, drain
 from ..transport.security import FailedHandshakes, routing_id
 from ..transport.sockets import SocketRole, open_socket
+from .outbox import Outbox
 from .pool import SumPool
 from .rounds import Rounds
 
@@ -54,6 +55,7 @@ class Server:
         self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
         self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
         self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
+        self.outbox = Outbox(self.sock, self.log)
         self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config, routing_id("server", config.keys))
         self.pool = SumPool(config.server_engine_threads)
         self.rounds = Rounds(config, self.addr, self._reply, self.pool)
@@ -90,7 +92,7 @@ class Server:
     # -- replies ------------------------------------------------------------------
     def _reply(self, who: Contribution, msg: Message, payloads: tuple = ()) -> None:
         try:
-            send(self.sock, msg, payloads, route=who.route)
+            self.outbox.send(who.route, msg, payloads, f"rank {who.rank}")
         except zmq.ZMQError as exc:
             self.log.warning("reply to rank %d failed: %s", who.rank, exc)
 
@@ -98,10 +100,11 @@ class Server:
         rounds = self.rounds
         if route not in rounds.ranks:
             raise ProtocolError("stats asked by a connection that is no worker of this job")
-        send(self.sock, Stats(req=msg.req, rank=self.rank,
-                              parts={str(k): sorted(v) for k, v in rounds.names.parts.items()},
-                              rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds),
-                              pushes=list(rounds.pushes_by_rank), socket_bytes=rounds.socket_bytes), route=route)
+        self.outbox.send(route, Stats(req=msg.req, rank=self.rank,
+                                      parts={str(k): sorted(v) for k, v in rounds.names.parts.items()},
+                                      rounds_done=rounds.rounds_done, open_rounds=len(rounds.rounds),
+                                      pushes=list(rounds.pushes_by_rank), socket_bytes=rounds.socket_bytes),
+                         who=f"rank {rounds.ranks[route]}")
 
     # -- the scheduler's notices --------------------------------------------------
     def _on_alive(self, _route: Any, _msg: Message, _frames: list) -> None:
@@ -155,6 +158,7 @@ class Server:
     def _beat(self, now: float) -> bool:
         """Heart-beat, expire rounds, report stalls; False once the scheduler is gone."""
         send(self.sched, Heartbeat())
+        self.outbox.prune()
         if self.knocks is not None:
             self.knocks.check()
         for stall in self.rounds.expire(now):

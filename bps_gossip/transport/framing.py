@@ -24,12 +24,15 @@ def send_message(
     header: dict[str, Any],
     payloads: Sequence[Any] = (),
     route: bytes | None = None,
-) -> None:
-    """Send ``header`` and ``payloads`` (buffers, sent without copying) on ``sock``."""
+    flags: int = 0,
+    track: bool = False,
+) -> zmq.MessageTracker | None:
+    """Send ``header`` and ``payloads`` (buffers, sent without copying) on ``sock`` with ZeroMQ's
+    send ``flags``; with ``track``, return the tracker that says when ZeroMQ is done with them."""
     frames: list[Any] = [] if route is None else [route]
     frames.append(msgpack.packb(header, use_bin_type=True))
     frames.extend(payloads)
-    sock.send_multipart(frames, copy=False)
+    return sock.send_multipart(frames, flags, copy=False, track=track)
 
 
 def recv_message(sock: zmq.Socket, routed: bool,

@@ -39,6 +39,7 @@ from ..errors import ConfigError
 MIN_SECRET_CHARS = 16
 MAX_TRACKED_CONNECTIONS = 4096  # accepted connections whose peers a FailedHandshakes remembers
 MAX_LOGGED_PEERS = 8  # peers named in one log line
+GATHER_SECONDS = 1.0  # a line waits this long after its first failure, so it can name more peers
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -152,8 +153,9 @@ class FailedHandshakes:
     therefore reads the socket's monitor as events come: an accepted connection's event carries
     its file descriptor, whose peer address it reads at once (the descriptor stays that
     connection's until libzmq reports it disconnected), and a failure is followed by the
-    failed connection's disconnect, which names the descriptor. Best effort: an address the
-    thread was too late to read shows as "?"."""
+    failed connection's disconnect, which names the descriptor. Best effort: a handshake fails
+    within a few round trips, and an address the thread was too late to read shows as "?"
+    (a line therefore gathers GATHER_SECONDS after its first failure)."""
 
     def __init__(self, sock: zmq.Socket, log: logging.Logger, every: float = 10.0) -> None:
         self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -163,7 +165,8 @@ class FailedHandshakes:
         self.total = 0
         self.endpoint = ""
         self.peers: list[str] = []  # of the failures since the last line, at most MAX_LOGGED_PEERS
-        self._next = 0.0
+        self._next = 0.0  # no line before (rate limit)
+        self._due = 0.0  # nor before this (the first failure of a line, and a moment)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="bpsg-handshakes", daemon=True)
@@ -185,23 +188,24 @@ class FailedHandshakes:
                     accepted[value] = peer_of(value)
             elif kind == zmq.EVENT_DISCONNECTED:
                 peer = accepted.pop(value, "?")
-                if unattributed:
+                if unattributed:  # the failed connection's end: counted now, with its peer
                     unattributed -= 1
                     with self._lock:
+                        if not self.count:  # the first of a line: gather a moment, for more peers
+                            self._due = time.monotonic() + GATHER_SECONDS
+                        self.count += 1
+                        self.total += 1
                         if len(self.peers) < MAX_LOGGED_PEERS and peer not in self.peers:
                             self.peers.append(peer)
             else:
                 unattributed = min(unattributed + 1, MAX_TRACKED_CONNECTIONS)
-                with self._lock:
-                    self.count += 1
-                    self.total += 1
-                    self.endpoint = event.get("endpoint", b"").decode(errors="replace")
+                self.endpoint = event.get("endpoint", b"").decode(errors="replace")
 
     def check(self) -> None:
         """Log what happened since the last line, when it is time (non-blocking)."""
         now = time.monotonic()
         with self._lock:
-            if not self.count or now < self._next:
+            if not self.count or now < max(self._next, self._due):
                 return
             count, total, endpoint, peers = self.count, self.total, self.endpoint, self.peers
             self.count, self.peers = 0, []
@@ -218,15 +222,16 @@ class FailedHandshakes:
 
 
 def peer_of(fd: int) -> str:
-    """The address (host:port) of the peer of the connected TCP socket ``fd``, or "?" (not a
-    TCP socket, or closed already). The descriptor stays open: libzmq owns it."""
+    """The address of the peer of the connected TCP socket ``fd`` (its host: a port a client
+    picked says nothing), or "?" (not a TCP socket, or closed already). The descriptor stays
+    open: libzmq owns it."""
     try:
         conn = socket.socket(fileno=fd)
     except OSError:
         return "?"
     try:
         address = conn.getpeername()
-        return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
+        return str(address[0]) if isinstance(address, tuple) else "?"
     except OSError:
         return "?"
     finally:

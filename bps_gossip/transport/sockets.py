@@ -25,6 +25,7 @@ MIN_MAX_FRAME = 64 << 20  # a server's frame limit is at least this
 # A bound socket closes a connection that has not completed its handshake by then (ZeroMQ's
 # default is 30 s): idle connections from anyone would otherwise hold a descriptor each.
 HANDSHAKE_MS = 5000
+MAX_QUEUED_REPLIES = 2 << 16  # a server's send mark a connection (see SocketRole.SERVER below)
 
 
 class SocketRole(enum.Enum):
@@ -45,6 +46,8 @@ class _Spec:
     linger_ms: int
     unbounded: bool = False  # no high-water marks (see below)
     unbounded_send: bool = False  # no send high-water mark
+    send_limit: int | None = None  # the send high-water mark, in messages a connection
+    mandatory: bool = False  # ROUTER_MANDATORY: a send to a full or unknown peer raises
     needs_identity: bool = False  # the receiver knows the sender by its routing id
     max_frame: Callable[[Config], int] | None = None  # a larger frame drops the connection
 
@@ -56,13 +59,17 @@ _SPECS: dict[SocketRole, _Spec] = {
     # (every member reads them in the address book) took that id over, and with it the member's
     # rank. Without it, a ROUTER refuses a connection whose id is in use.
     SocketRole.SCHEDULER: _Spec(zmq.ROUTER, True, 1000, max_frame=lambda _c: MAX_CONTROL_BYTES),
-    # A ROUTER drops what exceeds its send high-water mark: a worker with thousands of small
-    # partitions in flight would lose results and hang. Every reply answers a push, so the queue is
-    # bounded by what the workers sent. Workers send partitions of at most BYTEPS_PARTITION_BYTES.
+    # Replies: a worker's DEALER reads everything that arrives (no receive mark), so what queues
+    # here for one connection is what the link has not carried yet, or what a member that stopped
+    # reading left behind. ROUTER_MANDATORY makes a full queue an error the server handles
+    # (bps_gossip.server.outbox: the reply is dropped and counted) where a ROUTER would drop it
+    # silently; sends never block. MAX_QUEUED_REPLIES is as many replies as a worker can have
+    # waiting (an Ack and a Result for each of the 65,536 rounds a server keeps open for it).
     # Inbound, ZeroMQ's default mark (1,000 messages a connection) holds: a full queue stops reading
     # that connection (TCP pushes back, its sender queues on its own side) and drops nothing, so a
     # sender faster than the server cannot grow the server's memory without end.
-    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, unbounded_send=True, max_frame=lambda c: server_frame_limit(c)),
+    SocketRole.SERVER: _Spec(zmq.ROUTER, True, 0, send_limit=MAX_QUEUED_REPLIES, mandatory=True,
+                             max_frame=lambda c: server_frame_limit(c)),
     # Lingers a moment so that a server's last message (a leave) still goes out.
     SocketRole.TO_SCHEDULER: _Spec(zmq.DEALER, False, 1000, needs_identity=True),
     # No high-water mark: a full queue would block the worker's engine thread (no heartbeats,
@@ -98,6 +105,10 @@ def open_socket(ctx: zmq.Context, role: SocketRole, config: Config, identity: by
         sock.setsockopt(zmq.RCVHWM, 0)
     if spec.unbounded_send:
         sock.setsockopt(zmq.SNDHWM, 0)
+    if spec.send_limit is not None:
+        sock.setsockopt(zmq.SNDHWM, spec.send_limit)
+    if spec.mandatory:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if spec.max_frame is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, spec.max_frame(config))
     if spec.serve:
