@@ -66,6 +66,11 @@ class DistributedTrainer(mx.gluon.Trainer):
     engine as soon as backward has written it and ``step()`` returns at once (see
     ``mxnet_plugin.overlap``); without it, ``step()`` waits for each gradient in turn.
 
+    ``mode='auto'`` (:class:`~mxnet_plugin.modes.AutoMode`): one of the two at a time,
+    chosen every BPS_GOSSIP_AUTO_WINDOW steps (default 20) from the seconds per step each
+    takes, the same way on every rank (see docs/gossip.md, "mode='auto'");
+    ``active_mode`` says which runs, ``mode_history`` every decision and why.
+
     ``compression_params`` (BytePS's dict, see docs/compression.md): in allreduce mode the
     gradients are compressed as in BytePS; in gossip mode the gossip messages are, by
     CHOCO-Gossip on a ring with consensus step ``gossip_gamma`` (default: the compressor's,
@@ -99,8 +104,18 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     @property
     def mode(self) -> str:
-        """The mode this trainer runs: 'gossip' or 'allreduce'."""
+        """The mode this trainer was built for: 'gossip', 'allreduce' or 'auto'."""
         return self._mode.name
+
+    @property
+    def active_mode(self) -> str:
+        """The mode running now: 'gossip' or 'allreduce' (with mode='auto', the one chosen last)."""
+        return getattr(self._mode, "active", self._mode).name
+
+    @property
+    def mode_history(self) -> list[tuple[int, str, str]]:
+        """mode='auto': (step, mode, why) of every decision so far; other modes: []."""
+        return list(getattr(self._mode, "history", []))
 
     @property
     def overlap_backward(self) -> bool:

@@ -17,6 +17,7 @@ from bps_gossip.gossip.graphs import Ring
 from mxnet_plugin.modes import (
     MODE_CLASSES,
     AllreduceMode,
+    AutoMode,
     GossipMode,
     GossipOptions,
     TrainerMode,
@@ -49,7 +50,7 @@ def test_every_keyword_of_before_is_still_a_keyword():
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(ValueError, match=r"mode='bogus' is not one of \('gossip', 'allreduce'\)"):
+    with pytest.raises(ValueError, match=r"mode='bogus' is not one of \('gossip', 'allreduce', 'auto'\)"):
         bps.DistributedTrainer(params(), "sgd", mode="bogus")
     with pytest.raises(ValueError, match="mode=3"):
         bps.DistributedTrainer(params(), "sgd", None, 0, None, 3)
@@ -67,7 +68,7 @@ def test_gossip_options_must_be_gossip_options():
 
 def test_the_modes_are_the_configs_modes():
     assert tuple(MODE_CLASSES) == TRAINER_MODES
-    assert MODE_CLASSES == {"gossip": GossipMode, "allreduce": AllreduceMode}
+    assert MODE_CLASSES == {"gossip": GossipMode, "allreduce": AllreduceMode, "auto": AutoMode}
     for cls in MODE_CLASSES.values():
         assert issubclass(cls, TrainerMode) and not inspect.isabstract(cls)
 

@@ -115,7 +115,8 @@ slot's last worker exited 0, else the failed worker's code or the scheduler's (1
                              "PMI_RANK, ...): without -np, -H and DMLC_ROLE, run BytePS mode as before")
     parser.add_argument("--mode", choices=TRAINER_MODES,
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
-                             "(SGP, the default) or allreduce (BytePS's gradient averaging)")
+                             "(SGP, the default), allreduce (BytePS's gradient averaging) or auto (whichever "
+                             "trains faster, measured while training)")
     multi = parser.add_argument_group("several hosts over ssh (as horovodrun and mpirun)")
     multi.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
                        help="the hosts and how many workers each may run, e.g. host1:4,host2:4 (slots "

@@ -3,6 +3,8 @@
 - :class:`~.allreduce.AllreduceMode` (``mode='allreduce'``): BytePS's gradient push_pull.
 - :class:`~.gossip.GossipMode` (``mode='gossip'``, the default): SGP on the parameters,
   set by :class:`~.options.GossipOptions`.
+- :class:`~.auto.AutoMode` (``mode='auto'``): one of the two at a time, chosen while
+  training from what each costs a step (:mod:`.auto_policy`).
 
 Both implement :class:`~.base.TrainerMode`. A new mode is one subclass and one entry in
 :data:`MODE_CLASSES` (and its name in ``bps_gossip.config.TRAINER_MODES``, which
@@ -17,14 +19,15 @@ from bps_gossip.compression import CompressionSpec
 from bps_gossip.config import TRAINER_MODES, load_config
 
 from .allreduce import AllreduceMode
+from .auto import AutoMode
 from .base import ModeSetup, TrainerMode
 from .gossip import GossipMode
 from .options import GossipOptions
 
-__all__ = ["MODE_CLASSES", "AllreduceMode", "GossipMode", "GossipOptions", "ModeSetup", "TrainerMode",
+__all__ = ["MODE_CLASSES", "AllreduceMode", "AutoMode", "GossipMode", "GossipOptions", "ModeSetup", "TrainerMode",
            "mode_class"]
 
-MODE_CLASSES: dict[str, type[TrainerMode]] = {cls.name: cls for cls in (GossipMode, AllreduceMode)}
+MODE_CLASSES: dict[str, type[TrainerMode]] = {cls.name: cls for cls in (GossipMode, AllreduceMode, AutoMode)}
 
 
 def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp16: bool = False
@@ -41,4 +44,7 @@ def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp1
     cls = MODE_CLASSES.get(mode) if isinstance(mode, str) else None
     if cls is None:
         raise ValueError(f"DistributedTrainer: mode={mode!r} is not one of {TRAINER_MODES}")
+    if cls is AutoMode and (compression is not None or fp16):
+        raise ValueError("DistributedTrainer: mode='auto' takes no compression_params (the two modes "
+                         "compress differently): choose mode='gossip' or mode='allreduce'")
     return cls

@@ -1,0 +1,155 @@
+"""DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
+
+The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps the
+ranks average what they measured (seconds per step, the learning rate) with one push_pull and
+:class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
+window (see that module for the rule). The worker's log says at INFO what it switched to and
+why; ``DistributedTrainer.mode_history`` keeps the decisions.
+
+Switching keeps the ranks' models consistent:
+
+- allreduce -> gossip: the models are equal (every rank applied the same summed gradients);
+  push-sum starts again from them, weight 1.
+- gossip -> allreduce: the models and the optimizer's states (momentum) are made exactly
+  their average over ranks, so that the same summed gradients keep every rank's model equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import mxnet as mx
+import numpy as np
+
+import bps_gossip as core
+from bps_gossip.config import load_config
+
+from ..ops import to_device, to_host
+from .allreduce import AllreduceMode
+from .auto_policy import AutoPolicy, Decision, Window
+from .base import ModeSetup, TrainerMode
+from .gossip import GossipMode
+
+log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
+
+
+def _state_arrays(state: Any) -> list[mx.nd.NDArray]:
+    """The arrays of one optimizer state (an array, a tuple or list of them, or None)."""
+    if isinstance(state, mx.nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [array for part in state for array in _state_arrays(part)]
+    return []
+
+
+class AutoMode(TrainerMode):
+    """Gossip or allreduce, chosen while training from measured step times (module docstring)."""
+
+    name = "auto"
+
+    @staticmethod
+    def optimizer_params(setup: ModeSetup) -> dict[str, Any]:
+        """The caller's optimizer parameters (auto takes no compression: both modes use them)."""
+        return setup.optimizer_params
+
+    def __init__(self, trainer: mx.gluon.Trainer, setup: ModeSetup) -> None:
+        super().__init__(trainer, setup)  # without compression (mode_class refused it)
+        self.window = load_config().auto_window
+        self.unscaled = trainer._scale
+        self.modes: dict[str, TrainerMode] = {"gossip": GossipMode(trainer, setup),
+                                              "allreduce": AllreduceMode(trainer, setup)}
+        self.policy = AutoPolicy()
+        self.history: list[tuple[int, str, str]] = []  # (step, mode, why) of every decision
+        self.steps = 0  # steps begun
+        self.window_start: float | None = None  # the clock at the window's second step
+        self.active: TrainerMode = self.modes[AutoPolicy.first()]
+        self._use(self.active.name, "the first window", step=0)
+
+    @property
+    def overlap_backward(self) -> bool:  # type: ignore[override]
+        """Whether the running mode pushes gradients inside MXNet's engine."""
+        return self.active.overlap_backward
+
+    def _use(self, mode: str, why: str, step: int) -> None:
+        self.active = self.modes[mode]
+        self.trainer._scale = self.unscaled / core.size() if mode == "allreduce" else self.unscaled
+        self.history.append((step, mode, why))
+        log.info("mode='auto' at step %d: %s (%s)", step, mode, why)
+
+    # -- the trainer's points -------------------------------------------------------------
+    def before_step(self, batch_size: int) -> None:
+        """Count the step; at a window's end, measure, decide together and switch."""
+        now = time.perf_counter()
+        if self.steps and self.steps % self.window == 0 and self.window_start is not None:
+            self._end_window(now)
+        if self.steps % self.window == 1 or self.window == 1:
+            self.window_start = now  # from the window's second step: the first pays for a switch
+        self.steps += 1
+        self.active.before_step(batch_size)
+
+    def reduce_gradients(self) -> None:
+        """The running mode's."""
+        self.active.reduce_gradients()
+
+    def update(self, apply: Callable[[], None]) -> None:
+        """The running mode's."""
+        self.active.update(apply)
+
+    def reset_world(self) -> None:
+        """Both modes follow the new size; the costs measured at the old one are forgotten."""
+        for mode in self.modes.values():
+            mode.reset_world()
+        self.trainer._scale = self.unscaled / core.size() if self.active.name == "allreduce" else self.unscaled
+        self.policy.reset()
+        self.window_start = None
+
+    def flush(self) -> None:
+        """The running mode's."""
+        self.active.flush()
+
+    def average_parameters(self) -> None:
+        """The exact average over ranks (collective)."""
+        self.active.average_parameters()
+
+    def consensus_distance(self) -> float:
+        """RMS distance from the average over ranks (collective)."""
+        return self.active.consensus_distance()
+
+    # -- windows ----------------------------------------------------------------------------
+    def _end_window(self, now: float) -> None:
+        assert self.window_start is not None
+        intervals = max(1, self.window - 1)
+        measured = np.array([(now - self.window_start) / intervals, self.trainer.learning_rate], np.float64)
+        mean = core.push_pull(measured, name="auto_mode_window", average=True)
+        decision = self.policy.decide(Window(self.active.name, float(mean[0]), float(mean[1])))
+        self._switch(decision)
+
+    def _switch(self, decision: Decision) -> None:
+        step = self.steps
+        if decision.mode == self.active.name:
+            if decision.average:
+                self.active.average_parameters()
+                self.history.append((step, decision.mode, decision.why))
+                log.info("mode='auto' at step %d: %s", step, decision.why)
+            return
+        if decision.mode == "allreduce":  # from gossip: equal models and optimizer states first
+            self.active.flush()
+            self.active.average_parameters()
+            self._average_optimizer_states()
+        else:  # from allreduce: the models are equal; push-sum starts again from them
+            mx.nd.waitall()
+            self.modes["gossip"].reset_world()
+        self._use(decision.mode, decision.why, step)
+
+    def _average_optimizer_states(self) -> None:
+        """Make every optimizer state (momentum, ...) its exact average over ranks (collective)."""
+        for device, updater in enumerate(self.trainer._updaters):
+            for index in sorted(updater.states):
+                for part, array in enumerate(_state_arrays(updater.states[index])):
+                    if np.dtype(array.dtype).kind != "f":
+                        continue
+                    host = to_host(array)
+                    core.push_pull(host, name=f"auto_state_{device}_{index}_{part}", average=True, out=host)
+                    to_device(host, array)

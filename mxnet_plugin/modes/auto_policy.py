@@ -1,0 +1,101 @@
+"""When ``mode='auto'`` gossips and when it averages gradients: the decision, from measurements.
+
+Training runs in windows of BPS_GOSSIP_AUTO_WINDOW steps. At the end of each, every rank
+measures its seconds per step in the window and the learning rate, the ranks average those
+numbers with one push_pull, and :class:`AutoPolicy` decides on the averages. A push_pull's
+result is the same bytes on every rank, so every rank takes the same decision (the policy
+is deterministic, given what it is fed) and switches at the same step.
+
+The rule:
+
+- A mode not measured yet is measured first: allreduce for one window, then gossip for one.
+- Then the faster one per step runs, where gossip counts as faster only below
+  ``GOSSIP_MARGIN`` of allreduce's time (a gossip step moves the average model less surely
+  than an exact one: measured on the digits MLP, gossip needs more steps for the last point
+  of accuracy).
+- Every ``REPROBE_WINDOWS`` windows the mode not running gets one window again: the network,
+  and with it what each mode costs, changes while a job runs.
+- A learning-rate drop while gossiping makes the models exactly equal once (the next steps are
+  small; the models' spread would stay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MODES = ("allreduce", "gossip")
+GOSSIP_MARGIN = 0.9  # gossip runs when its step takes less than this fraction of allreduce's
+REPROBE_WINDOWS = 10  # windows in the chosen mode before the other one is measured again
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One window's measurements, averaged over the ranks."""
+
+    mode: str  # the mode that ran it
+    seconds_per_step: float
+    learning_rate: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What runs in the next window, and why (for the log)."""
+
+    mode: str
+    why: str
+    average: bool = False  # make the models exactly equal first (gossip -> gossip, after a drop)
+
+
+class AutoPolicy:
+    """The decision rule of the module docstring; one per trainer, fed every window in order."""
+
+    def __init__(self, margin: float = GOSSIP_MARGIN, reprobe_windows: int = REPROBE_WINDOWS) -> None:
+        if not 0 < margin <= 1:
+            raise ValueError(f"margin={margin!r} must be in (0, 1]")
+        if reprobe_windows < 1:
+            raise ValueError(f"reprobe_windows={reprobe_windows!r} must be >= 1")
+        self.margin = margin
+        self.reprobe_windows = reprobe_windows
+        self.cost: dict[str, float] = {}  # seconds per step, the last window of each mode
+        self.since_probe = 0  # windows of the chosen mode since the other one ran
+        self.learning_rate: float | None = None
+
+    @staticmethod
+    def first() -> str:
+        """The mode of the first window."""
+        return MODES[0]
+
+    def reset(self) -> None:
+        """Forget the costs (the job's size changed: every cost with it)."""
+        self.cost.clear()
+        self.since_probe = 0
+
+    def decide(self, window: Window) -> Decision:
+        """The mode of the next window, given the one that just ended."""
+        if window.mode not in MODES:
+            raise ValueError(f"window of mode {window.mode!r}: not one of {MODES}")
+        if not math.isfinite(window.seconds_per_step) or window.seconds_per_step < 0:
+            raise ValueError(f"seconds_per_step={window.seconds_per_step!r} must be finite and >= 0")
+        self.cost[window.mode] = window.seconds_per_step
+        dropped = self.learning_rate is not None and window.learning_rate < self.learning_rate * (1 - 1e-6)
+        self.learning_rate = window.learning_rate
+        missing = [mode for mode in MODES if mode not in self.cost]
+        if missing:
+            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)")
+        best = self._best()
+        self.since_probe += window.mode == best
+        if window.mode == best and self.since_probe >= self.reprobe_windows:
+            other = MODES[1 - MODES.index(best)]
+            self.since_probe = 0
+            return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})")
+        gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
+        why = (f"gossip {gossip * 1000:.1f} ms a step, allreduce {allreduce * 1000:.1f} ms: gossip runs below "
+               f"{self.margin:g}x allreduce's")
+        if dropped and best == "gossip":
+            return Decision(best, f"the learning rate dropped to {window.learning_rate:g}: models made equal; " + why,
+                            average=True)
+        return Decision(best, why)
+
+    def _best(self) -> str:
+        return "gossip" if self.cost["gossip"] < self.margin * self.cost["allreduce"] else "allreduce"

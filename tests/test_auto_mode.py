@@ -1,0 +1,154 @@
+"""DistributedTrainer(mode='auto'): the decision rule (pure), and the mode at work on real
+processes: every rank decides the same, and switching keeps the models consistent."""
+
+from __future__ import annotations
+
+import mxnet as mx
+import pytest
+from cluster import assert_all_ok
+
+import mxnet_plugin as bps
+from mxnet_plugin.modes.auto_policy import AutoPolicy, Window
+
+
+def feed(policy: AutoPolicy, mode: str, seconds: float, lr: float = 0.1):
+    return policy.decide(Window(mode, seconds, lr))
+
+
+def test_each_mode_is_measured_first_then_the_faster_runs():
+    policy = AutoPolicy(margin=0.9, reprobe_windows=3)
+    assert policy.first() == "allreduce"
+    assert feed(policy, "allreduce", 0.100).mode == "gossip"  # not measured yet
+    decision = feed(policy, "gossip", 0.080)
+    assert decision.mode == "gossip" and "gossip 80.0 ms a step, allreduce 100.0 ms" in decision.why
+    assert feed(policy, "gossip", 0.080).mode == "gossip"
+    probe = feed(policy, "gossip", 0.080)  # the third window of gossip since the probe
+    assert probe.mode == "allreduce" and "measuring allreduce again" in probe.why
+    assert feed(policy, "allreduce", 0.060).mode == "allreduce"  # the network changed: allreduce is faster now
+
+
+def test_gossip_must_beat_allreduce_by_the_margin():
+    policy = AutoPolicy(margin=0.9)
+    feed(policy, "allreduce", 0.100)
+    assert feed(policy, "gossip", 0.095).mode == "allreduce"  # 5% faster is not enough
+    policy = AutoPolicy(margin=0.9)
+    feed(policy, "allreduce", 0.100)
+    assert feed(policy, "gossip", 0.089).mode == "gossip"
+
+
+def test_a_learning_rate_drop_while_gossiping_makes_the_models_equal_once():
+    policy = AutoPolicy()
+    feed(policy, "allreduce", 0.1, lr=0.1)
+    assert not feed(policy, "gossip", 0.05, lr=0.1).average
+    decision = feed(policy, "gossip", 0.05, lr=0.01)
+    assert decision.mode == "gossip" and decision.average and "learning rate dropped to 0.01" in decision.why
+    assert not feed(policy, "gossip", 0.05, lr=0.01).average
+
+
+def test_the_same_windows_give_the_same_decisions():
+    windows = [Window("allreduce", 0.1, 0.1), Window("gossip", 0.07, 0.1)] + [Window("gossip", 0.07, 0.1)] * 12
+    runs = []
+    for _ in range(2):
+        policy = AutoPolicy()
+        runs.append([policy.decide(window) for window in windows])
+    assert runs[0] == runs[1]
+
+
+def test_after_a_reset_both_modes_are_measured_again():
+    policy = AutoPolicy()
+    feed(policy, "allreduce", 0.1)
+    feed(policy, "gossip", 0.05)
+    policy.reset()
+    assert feed(policy, "gossip", 0.05).mode == "allreduce"
+
+
+@pytest.mark.parametrize("window", [
+    Window("sgd", 0.1, 0.1), Window("gossip", float("nan"), 0.1), Window("gossip", -1.0, 0.1)])
+def test_a_bad_window_is_refused(window):
+    with pytest.raises(ValueError):
+        AutoPolicy().decide(window)
+
+
+def test_auto_takes_no_compression():
+    net = mx.gluon.nn.Dense(2, in_units=2)
+    net.initialize()
+    with pytest.raises(ValueError, match="mode='auto' takes no compression_params"):
+        bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                               compression_params={"compressor": "onebit"}, mode="auto")
+
+
+TRAIN = """
+import hashlib, mxnet as mx, numpy as np, mxnet_plugin as bps
+from mxnet.gluon.model_zoo import vision
+bps.init()
+rank = bps.rank()
+mx.random.seed(rank)
+net = vision.get_model("mobilenet0.25", classes=10)
+net.initialize(mx.init.Xavier())
+net.hybridize()
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                 mode="auto")
+assert trainer.mode == "auto" and trainer.active_mode == "allreduce"
+%(policy)s
+loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.RandomState(rank)
+steps = []
+for step in range(%(steps)d):
+    x = mx.nd.array(rng.uniform(size=(4, 3, 32, 32)))
+    y = mx.nd.array(rng.randint(0, 10, size=4))
+    with mx.autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(4)
+    trainer.flush()
+    params = [p.data().asnumpy() for p in sorted(net.collect_params().values(), key=lambda p: p.name)
+              if p.grad_req != "null"]  # BatchNorm's running statistics stay each rank's own in allreduce
+    digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in params)).hexdigest()
+    steps.append([trainer.active_mode, digest, float(loss.mean().asscalar())])
+report({"history": trainer.mode_history, "steps": steps})
+bps.shutdown()
+"""
+
+ALTERNATE = """
+from mxnet_plugin.modes.auto_policy import Decision
+class Alternate:  # every window the other mode: each switch is exercised
+    def decide(self, window):
+        return Decision("gossip" if window.mode == "allreduce" else "allreduce", "the test alternates")
+    def reset(self):
+        pass
+trainer._mode.policy = Alternate()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
+    job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
+    done = job.run_workers(TRAIN % {"policy": "", "steps": 16}, timeout=220)
+    assert_all_ok(done, job)
+    histories = [f.result["history"] for f in done]
+    assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
+    modes = [mode for _, mode, _ in histories[0]]
+    assert modes[:3] == ["allreduce", "gossip", histories[0][2][1]] and len(modes) >= 3, histories[0]
+    assert [step for step, _, _ in histories[0][:3]] == [0, 3, 6]
+    assert "ms a step" in histories[0][2][2]
+    assert "mode='auto' at step 3: gossip (measuring gossip (not measured yet))" in job.dump()
+
+
+@pytest.mark.timeout(240)
+def test_switching_keeps_every_rank_on_one_model_where_allreduce_runs(cluster):
+    """Three workers: gossip leaves the models apart; a switch to allreduce makes the models and
+    the optimizer's momentum exactly their average, so that every allreduce step leaves the ranks
+    bit-identical (without the momentum's average they part at the first step)."""
+    job = cluster(3, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
+    done = job.run_workers(TRAIN % {"policy": ALTERNATE, "steps": 15}, timeout=220)
+    assert_all_ok(done, job)
+    runs = [f.result["steps"] for f in done]
+    modes = [step[0] for step in runs[0]]
+    assert modes == ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3
+    for step, mode in enumerate(modes):
+        digests = {run[step][1] for run in runs}
+        if mode == "allreduce":
+            assert len(digests) == 1, (step, mode)
+        elif step % 3 == 2:  # the last gossip step of a window: apart (3 ranks, one round a step)
+            assert len(digests) > 1, (step, mode)
+    assert all(len({tuple(h) for h in f.result["history"]}) == 5 for f in done)
