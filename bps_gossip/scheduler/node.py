@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..config import NO_SECRET_WARNING, OWNED_SECRET_VAR, Config, load_config
+from ..config import NO_SECRET_WARNING, Config, load_config
 from ..errors import BpsGossipError, ConfigError, ProtocolError
 from ..liveness import STOP_REQUEST, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
@@ -49,6 +49,7 @@ from ..transport.security import FailedHandshakes
 from ..transport.sockets import SocketRole, open_socket
 from . import liveness
 from .changes import Changes, address_book
+from .orphaned import LauncherWatch
 from .stalls import StallReports, heard_progress
 
 MemberHandler = Callable[[bytes, Any, Node], None]
@@ -358,30 +359,14 @@ class Scheduler:
 
 def main() -> int:
     """Entry point: run the scheduler from the environment."""
-    owned = os.environ.get("BPS_GOSSIP_SECRET_FILE") if os.environ.get(OWNED_SECRET_VAR) == "1" else None
-    launcher = os.getppid()
-    launcher_died: list[int] = []
+    watch = LauncherWatch(os.environ)
     if threading.current_thread() is threading.main_thread():  # SIGTERM ends it through its clean-up
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-        # bpslaunch arms SIGHUP as our parent-death signal. getppid() alone cannot tell: the kernel
-        # sends it as bpslaunch's main thread ends, and may hand us to its other threads first.
-        signal.signal(signal.SIGHUP, lambda signum, _frame: (launcher_died.append(signum),
-                                                              sys.exit(128 + signum)))
+        watch.install()
     try:
         return _run()
     finally:
-        # bpslaunch made the secret file for this job and removes it once it has stopped every
-        # worker it started (a replacement may still be starting and about to read it). Killed,
-        # it cannot: then the scheduler removes it, and the segments of its workers (killed too).
-        if owned and (launcher_died or os.getppid() != launcher):
-            try:
-                os.unlink(owned)
-            except OSError:
-                pass
-            port = os.environ.get("DMLC_PS_ROOT_PORT", "")
-            if port.isdigit():
-                time.sleep(0.5)
-                shm.sweep(port)
+        watch.clean_up()
 
 
 def _run() -> int:
