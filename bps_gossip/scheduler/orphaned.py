@@ -35,8 +35,11 @@ class LauncherWatch:
         signal.signal(signal.SIGHUP, self._on_hangup)
 
     def _on_hangup(self, signum: int, _frame: object) -> None:
-        self.died = True
-        sys.exit(128 + signum)
+        # Once: the kernel signals again each time it hands us on (to another of the dying
+        # launcher's threads, then to init), and a second exit would cut the clean-up short.
+        if not self.died:
+            self.died = True
+            sys.exit(128 + signum)
 
     def clean_up(self) -> None:
         """If bpslaunch made the secret file and is gone: remove the file and its workers' segments."""
