@@ -58,7 +58,7 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     net = build_net(getattr(args, "hidden", 64))  # getattr: callers may build args without --hidden
     net.initialize(mx.init.Xavier())
     options = {"graph": args.graph, "peers_per_itr": args.peers_per_itr, "overlap": args.overlap,
-               "average_every": args.average_every} if mode == "gossip" else {}
+               "average_every": args.average_every} if mode in ("gossip", "auto") else {}
     if mode == "gossip" and getattr(args, "gossip_gamma", None) is not None:
         options["gossip_gamma"] = args.gossip_gamma  # compressed gossip's consensus step
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": args.lr, "momentum": 0.9},
@@ -91,18 +91,20 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
         bar.update(1)
         trainer.flush()
         epoch_accuracy = accuracy(net, x_test, y_test)
+        running = f" ({trainer.active_mode} now)" if mode == "auto" else ""
         print(f"rank {rank} {mode} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
-              f"test accuracy {epoch_accuracy:.4f}", flush=True)
+              f"test accuracy {epoch_accuracy:.4f}{running}", flush=True)
         if getattr(args, "log_json", None):
             log_epoch(args.log_json, {"rank": rank, "size": size, "mode": mode, "epoch": epoch + 1,
                                       "steps": step_count, "started": started, "time": time.time(),
-                                      "loss": total_loss / steps_per_epoch, "accuracy": epoch_accuracy})
+                                      "loss": total_loss / steps_per_epoch, "accuracy": epoch_accuracy,
+                                      "active_mode": trainer.active_mode})
     bar.close()
     trainer.flush()
     distance = trainer.consensus_distance()
     final = accuracy(net, x_test, y_test)
     return {"mode": mode, "accuracy": final, "consensus_distance": distance, "steps": step_count,
-            "seconds": time.time() - start, "history": history}
+            "seconds": time.time() - start, "history": history, "mode_history": trainer.mode_history}
 
 
 def compression_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The example's command line (scripts/compare_modes.py extends it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
-    parser.add_argument("--mode", choices=["gossip", "allreduce", "both"],
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "both"],
                         default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "gossip",
-                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip")
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip; auto: whichever "
+                             "trains faster here, measured while training")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {bps.rank()} final test accuracy ({result['mode']}, {bps.size()} workers, "
               f"{result['steps']} steps, {result['seconds']:.1f} s): {result['accuracy']:.4f}  "
               f"consensus distance {result['consensus_distance']:.2e}", flush=True)
+        if result["mode"] == "auto" and bps.rank() == 0:
+            for step, mode, why in result["mode_history"]:
+                print(f"  mode='auto' at step {step}: {mode} ({why})", flush=True)
     bps.shutdown()
     return 0
 

@@ -114,7 +114,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     @property
     def mode_history(self) -> list[tuple[int, str, str]]:
-        """mode='auto': (step, mode, why) of every decision so far; other modes: []."""
+        """mode='auto': (step, mode, why) of every decision (the newest 1,024); other modes: []."""
         return list(getattr(self._mode, "history", []))
 
     @property

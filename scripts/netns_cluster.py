@@ -6,9 +6,10 @@ Generic mode: run COMMAND on every worker, BytePS style (``bpslaunch`` with DMLC
     python scripts/netns_cluster.py --workers 4 --servers 1 --mbit 1000 --slow worker3=100 -- \\
         python examples/train_digits.py --mode allreduce
 
-Time to accuracy, gossip against allreduce with one slow link (see docs/netns.md):
+Time to accuracy, gossip and mode='auto' against allreduce with one slow link (see docs/netns.md):
 
-    python scripts/netns_cluster.py --time-to-accuracy --workers 4 --mbit 1000 --slow worker3=20
+    python scripts/netns_cluster.py --time-to-accuracy --workers 4 --mbit 1000 --slow worker3=20 \
+        --modes allreduce,gossip,auto
 
 The job itself is scripts/netns_job.py's (every process with the DMLC_* variables of its
 host), the experiment scripts/netns_tta.py's. Output lines are prefixed with the role or
@@ -57,6 +58,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "to reach allreduce's final accuracy)")
     parser.add_argument("--gossip-args", default="",
                         help="experiment: extra train_digits options for the gossip runs, e.g. '--overlap'")
+    parser.add_argument("--modes", default="allreduce,gossip",
+                        help="experiment: the modes to run, comma-separated, allreduce among them (its final "
+                             "accuracy is the target): allreduce, gossip, auto (default allreduce,gossip)")
     parser.add_argument("--repeats", type=int, default=1, help="experiment: runs of each mode (default 1)")
     parser.add_argument("--json", type=Path, help="experiment: write the curves here")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND...", help="the worker command")
@@ -72,6 +76,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--slow names unknown host(s) {sorted(unknown)}: hosts are "
                      f"{', '.join(host_names(args.workers, args.servers))}")
+    args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if "allreduce" not in args.modes or set(args.modes) - {"allreduce", "gossip", "auto"} \
+            or len(set(args.modes)) != len(args.modes):
+        parser.error(f"--modes {','.join(args.modes)}: allreduce, gossip and auto, each once, allreduce among them")
     if args.time_to_accuracy == bool(args.command):
         parser.error("give either a worker command or --time-to-accuracy")
     return args

@@ -1,5 +1,5 @@
-"""Time to accuracy on emulated hosts: examples/train_digits.py by allreduce and by gossip on
-one network (scripts/netns_cluster.py --time-to-accuracy builds it and calls ``experiment``;
+"""Time to accuracy on emulated hosts: examples/train_digits.py by allreduce, by gossip and by
+mode='auto' (``--modes``) on one network (scripts/netns_cluster.py --time-to-accuracy builds it and calls ``experiment``;
 the jobs are scripts/netns_job.py's).
 
 Every rank appends one JSON line per epoch (wall-clock time, test accuracy; --log-json).
@@ -63,10 +63,10 @@ def read_curve(mode: str, pattern: str, ranks: int) -> Curve:
 def train(net: netns.Network, args: argparse.Namespace, mode: str, logdir: Path, tag: str) -> Curve:
     """One run of the example in ``mode`` across the namespaces; its curve."""
     pattern = str(logdir / f"{tag}_{mode}_rank{{rank}}.jsonl")
-    epochs = args.epochs if mode == "allreduce" else (args.gossip_epochs or 2 * args.epochs)
+    epochs = args.epochs if mode == "allreduce" else (args.gossip_epochs or 2 * args.epochs)  # auto may gossip
     command = [sys.executable, str(EXAMPLE), "--mode", mode, "--hidden", str(args.hidden),
                "--epochs", str(epochs), "--log-json", pattern]
-    if mode == "gossip":
+    if mode in ("gossip", "auto"):
         command += shlex.split(args.gossip_args)
     # One compute thread per worker: 4 workers share 2 cores, more threads only fight.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"}
@@ -77,29 +77,34 @@ def train(net: netns.Network, args: argparse.Namespace, mode: str, logdir: Path,
     return read_curve(mode, pattern, args.workers)
 
 
-def rows_for(tag: str, allreduce: Curve, gossip: Curve) -> list[list[str]]:
-    """Table rows of one repeat: each mode's time to allreduce's final accuracy, and the ratio."""
+def rows_for(tag: str, curves: dict[str, Curve]) -> list[list[str]]:
+    """Table rows of one repeat: each mode's time to allreduce's final accuracy, and its ratio to
+    allreduce's."""
+    allreduce = curves["allreduce"]
     target = allreduce.accuracy[-1]
-    t_ar, t_g = allreduce.time_to(target), gossip.time_to(target)
+    t_ar = allreduce.time_to(target)
     rows = []
-    for curve, t in ((allreduce, t_ar), (gossip, t_g)):
+    for curve in curves.values():
+        t = curve.time_to(target)
+        ratio = "" if curve is allreduce else "-" if t is None or not t_ar else f"{t / t_ar:.2f}"
         rows.append([tag, curve.mode, str(len(curve.seconds)), str(curve.steps), f"{curve.accuracy[-1]:.4f}",
                      f"{max(curve.accuracy):.4f}", f"{curve.seconds[-1]:.1f}", f"{target:.4f}",
-                     "not reached" if t is None else f"{t:.1f}", ""])
-    rows[1][-1] = "-" if t_g is None or not t_ar else f"{t_g / t_ar:.2f}"
+                     "not reached" if t is None else f"{t:.1f}", ratio])
     return rows
 
 
 def experiment(net: netns.Network, args: argparse.Namespace, logdir: Path) -> int:
-    """Run both modes ``args.repeats`` times (order alternating: the machine's noise drifts),
-    print the curves and the time-to-accuracy table; 0 unless a run failed."""
+    """Run every mode of ``args.modes`` ``args.repeats`` times (order reversed every other repeat:
+    the machine's noise drifts), print the curves and the time-to-accuracy table; 0 unless a run
+    failed."""
     headers = ["run", "mode", "epochs", "steps", "final acc", "best acc", "total s", "target",
-               "s to target", "gossip/allreduce"]
+               "s to target", "x allreduce"]
+    chosen = list(getattr(args, "modes", None) or ["allreduce", "gossip"])
     rows: list[list[str]] = []
     records = []
     for repeat in range(args.repeats):
         tag = f"run{repeat + 1}"
-        modes = ["allreduce", "gossip"] if repeat % 2 == 0 else ["gossip", "allreduce"]
+        modes = chosen if repeat % 2 == 0 else chosen[::-1]
         try:
             curves = {mode: train(net, args, mode, logdir, tag) for mode in modes}
         except RuntimeError as exc:
@@ -108,7 +113,7 @@ def experiment(net: netns.Network, args: argparse.Namespace, logdir: Path) -> in
         for curve in curves.values():
             points = ", ".join(f"{s:.1f}s:{a:.3f}" for s, a in zip_exact(curve.seconds, curve.accuracy))
             print(f"netns_tta: {tag} {curve.mode} curve (s since start: mean accuracy): {points}", flush=True)
-        rows += rows_for(tag, curves["allreduce"], curves["gossip"])
+        rows += rows_for(tag, {mode: curves[mode] for mode in chosen})
         records.append({mode: dataclasses.asdict(curve) for mode, curve in curves.items()})
     slow = ", ".join(f"{h}={r:g}" for h, r in args.slow.items()) or "none"
     sysctls = " ".join(f"{k}={v}" for k, v in getattr(args, "sysctl", {}).items()) or "defaults"

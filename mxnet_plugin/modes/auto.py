@@ -4,7 +4,8 @@ The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDO
 ranks average what they measured (seconds per step, the learning rate) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
-why; ``DistributedTrainer.mode_history`` keeps the decisions.
+why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
+MAX_HISTORY decisions.
 
 Switching keeps the ranks' models consistent:
 
@@ -16,6 +17,7 @@ Switching keeps the ranks' models consistent:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Callable
@@ -33,6 +35,7 @@ from .base import ModeSetup, TrainerMode
 from .gossip import GossipMode
 
 log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
+MAX_HISTORY = 1024  # decisions kept for mode_history (the newest)
 
 
 def _state_arrays(state: Any) -> list[mx.nd.NDArray]:
@@ -61,7 +64,7 @@ class AutoMode(TrainerMode):
         self.modes: dict[str, TrainerMode] = {"gossip": GossipMode(trainer, setup),
                                               "allreduce": AllreduceMode(trainer, setup)}
         self.policy = AutoPolicy()
-        self.history: list[tuple[int, str, str]] = []  # (step, mode, why) of every decision
+        self.history: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_HISTORY)
         self.steps = 0  # steps begun
         self.window_start: float | None = None  # the clock at the window's second step
         self.active: TrainerMode = self.modes[AutoPolicy.first()]
@@ -129,10 +132,11 @@ class AutoMode(TrainerMode):
     def _switch(self, decision: Decision) -> None:
         step = self.steps
         if decision.mode == self.active.name:
+            self.history.append((step, decision.mode, decision.why))
             if decision.average:
                 self.active.average_parameters()
-                self.history.append((step, decision.mode, decision.why))
-                log.info("mode='auto' at step %d: %s", step, decision.why)
+            log.log(logging.INFO if decision.average else logging.DEBUG, "mode='auto' at step %d: %s (%s)",
+                    step, decision.mode, decision.why)
             return
         if decision.mode == "allreduce":  # from gossip: equal models and optimizer states first
             self.active.flush()
