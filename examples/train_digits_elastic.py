@@ -40,7 +40,7 @@ def fingerprint(net: mx.gluon.Block) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
-    parser.add_argument("--mode", choices=["gossip", "allreduce"],
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto"],
                         default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "allreduce",
                         help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else allreduce")
     parser.add_argument("--epochs", type=int, default=5)

@@ -32,9 +32,10 @@ def run_example(job, args: list[str], timeout: float = 150) -> list:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["allreduce", "gossip"])
+@pytest.mark.parametrize("mode", ["allreduce", "gossip", "auto"])
 def test_killed_worker_gluon_survivors_agree(cluster, mode):
-    job = cluster(3, env=ELASTIC_ENV)
+    # auto: a decision every 3 steps, so that the kill and the restore fall among switches
+    job = cluster(3, env={**ELASTIC_ENV, "BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
     done = run_example(job, ["--mode", mode, "--epochs", "3", "--kill-rank", "2", "--kill-step", "12",
                              "--commit-every", "4"])
     survivors = [f for f in done if f.rank_hint != 2]
@@ -48,6 +49,9 @@ def test_killed_worker_gluon_survivors_agree(cluster, mode):
     assert len({r["step"] for r in results}) == 1 and results[0]["epoch"] == 3
     assert all(r["accuracy"] > 0.85 for r in results), results
     assert all("now 2 workers" in f.stdout for f in survivors), job.dump()
+    if mode == "auto":  # every survivor measured again at the new size, from the same step
+        assert all("mode='auto' at step 0: allreduce (the job changed to 2 workers" in f.stderr + f.stdout
+                   for f in survivors), job.dump()
     job.wait_servers_exit()
 
 

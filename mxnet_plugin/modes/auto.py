@@ -101,12 +101,14 @@ class AutoMode(TrainerMode):
         self.active.update(apply)
 
     def reset_world(self) -> None:
-        """Both modes follow the new size; the costs measured at the old one are forgotten."""
+        """Elastic (every rank, joiners too, holds rank 0's synced model and optimizer states):
+        both modes follow the new size, and the windows start again from the first, allreduce,
+        on every rank alike; the costs measured at the old size are forgotten."""
         for mode in self.modes.values():
             mode.reset_world()
-        self.trainer._scale = self.unscaled / core.size() if self.active.name == "allreduce" else self.unscaled
         self.policy.reset()
-        self.window_start = None
+        self.steps, self.window_start = 0, None
+        self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0)
 
     def flush(self) -> None:
         """The running mode's."""

@@ -90,8 +90,8 @@ class AutoPolicy:
             self.since_probe = 0
             return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})")
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
-        why = (f"gossip {gossip * 1000:.1f} ms a step, allreduce {allreduce * 1000:.1f} ms: gossip runs below "
-               f"{self.margin:g}x allreduce's")
+        why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
+               f"allreduce's {allreduce * 1000:.1f} ms")
         if dropped and best == "gossip":
             return Decision(best, f"the learning rate dropped to {window.learning_rate:g}: models made equal; " + why,
                             average=True)
