@@ -11,8 +11,8 @@ import mxnet_plugin as bps
 from mxnet_plugin.modes.auto_policy import AutoPolicy, Window
 
 
-def feed(policy: AutoPolicy, mode: str, seconds: float, lr: float = 0.1):
-    return policy.decide(Window(mode, seconds, lr))
+def feed(policy: AutoPolicy, mode: str, seconds: float):
+    return policy.decide(Window(mode, seconds))
 
 
 def test_each_mode_is_measured_first_then_the_faster_runs():
@@ -38,17 +38,8 @@ def test_gossip_must_beat_allreduce_by_the_margin():
     assert feed(policy, "gossip", 0.089).mode == "gossip"
 
 
-def test_a_learning_rate_drop_while_gossiping_makes_the_models_equal_once():
-    policy = AutoPolicy()
-    feed(policy, "allreduce", 0.1, lr=0.1)
-    assert not feed(policy, "gossip", 0.05, lr=0.1).average
-    decision = feed(policy, "gossip", 0.05, lr=0.01)
-    assert decision.mode == "gossip" and decision.average and "learning rate dropped to 0.01" in decision.why
-    assert not feed(policy, "gossip", 0.05, lr=0.01).average
-
-
 def test_the_same_windows_give_the_same_decisions():
-    windows = [Window("allreduce", 0.1, 0.1), Window("gossip", 0.07, 0.1)] + [Window("gossip", 0.07, 0.1)] * 12
+    windows = [Window("allreduce", 0.1), Window("gossip", 0.07)] + [Window("gossip", 0.07)] * 12
     runs = []
     for _ in range(2):
         policy = AutoPolicy()
@@ -65,7 +56,7 @@ def test_after_a_reset_both_modes_are_measured_again():
 
 
 @pytest.mark.parametrize("window", [
-    Window("sgd", 0.1, 0.1), Window("gossip", float("nan"), 0.1), Window("gossip", -1.0, 0.1)])
+    Window("sgd", 0.1), Window("gossip", float("nan")), Window("gossip", -1.0)])
 def test_a_bad_window_is_refused(window):
     with pytest.raises(ValueError):
         AutoPolicy().decide(window)

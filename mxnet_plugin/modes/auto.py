@@ -1,13 +1,16 @@
 """DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
 
 The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps the
-ranks average what they measured (seconds per step, the learning rate) with one push_pull and
+ranks average what they measured (seconds per step) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
 MAX_HISTORY decisions.
 
-Switching keeps the ranks' models consistent:
+A gossip window ends with the models made exactly their average (through the servers, as
+``average_parameters``): the ranks' spread never outlives a window, which is where gossip loses
+accuracy on the plateau against allreduce's exact average (measured in docs/netns.md). Its
+cost counts in the window's time. Switching keeps the ranks' models consistent:
 
 - allreduce -> gossip: the models are equal (every rank applied the same summed gradients);
   push-sum starts again from them, weight 1.
@@ -125,28 +128,25 @@ class AutoMode(TrainerMode):
     # -- windows ----------------------------------------------------------------------------
     def _end_window(self, now: float) -> None:
         assert self.window_start is not None
-        intervals = max(1, self.window - 1)
-        measured = np.array([(now - self.window_start) / intervals, self.trainer.learning_rate], np.float64)
+        if self.active.name == "gossip":  # one model again; its cost is part of the window's
+            self.active.flush()
+            self.active.average_parameters()
+            now = time.perf_counter()
+        measured = np.array([(now - self.window_start) / max(1, self.window - 1)], np.float64)
         mean = core.push_pull(measured, name="auto_mode_window", average=True)
-        decision = self.policy.decide(Window(self.active.name, float(mean[0]), float(mean[1])))
-        self._switch(decision)
+        self._switch(self.policy.decide(Window(self.active.name, float(mean[0]))))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps
         if decision.mode == self.active.name:
             self.history.append((step, decision.mode, decision.why))
-            if decision.average:
-                self.active.average_parameters()
-            log.log(logging.INFO if decision.average else logging.DEBUG, "mode='auto' at step %d: %s (%s)",
-                    step, decision.mode, decision.why)
+            log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
             return
-        if decision.mode == "allreduce":  # from gossip: equal models and optimizer states first
-            self.active.flush()
-            self.active.average_parameters()
+        if decision.mode == "allreduce":  # from gossip (models averaged): the optimizer states too
             self._average_optimizer_states()
-        else:  # from allreduce: the models are equal; push-sum starts again from them
+        else:  # from allreduce: the models are equal
             mx.nd.waitall()
-            self.modes["gossip"].reset_world()
+        self.modes["gossip"].reset_world()  # push-sum starts again from the equal models
         self._use(decision.mode, decision.why, step)
 
     def _average_optimizer_states(self) -> None:

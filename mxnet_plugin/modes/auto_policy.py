@@ -1,8 +1,8 @@
 """When ``mode='auto'`` gossips and when it averages gradients: the decision, from measurements.
 
 Training runs in windows of BPS_GOSSIP_AUTO_WINDOW steps. At the end of each, every rank
-measures its seconds per step in the window and the learning rate, the ranks average those
-numbers with one push_pull, and :class:`AutoPolicy` decides on the averages. A push_pull's
+measures its seconds per step in the window, the ranks average that number with one
+push_pull, and :class:`AutoPolicy` decides on the averages. A push_pull's
 result is the same bytes on every rank, so every rank takes the same decision (the policy
 is deterministic, given what it is fed) and switches at the same step.
 
@@ -15,8 +15,9 @@ The rule:
   of accuracy).
 - Every ``REPROBE_WINDOWS`` windows the mode not running gets one window again: the network,
   and with it what each mode costs, changes while a job runs.
-- A learning-rate drop while gossiping makes the models exactly equal once (the next steps are
-  small; the models' spread would stay).
+
+(Gossip windows end with the models made exactly equal, :mod:`.auto`; a gossip window's cost
+includes that average.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class Window:
 
     mode: str  # the mode that ran it
     seconds_per_step: float
-    learning_rate: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,6 @@ class Decision:
 
     mode: str
     why: str
-    average: bool = False  # make the models exactly equal first (gossip -> gossip, after a drop)
 
 
 class AutoPolicy:
@@ -59,7 +58,6 @@ class AutoPolicy:
         self.reprobe_windows = reprobe_windows
         self.cost: dict[str, float] = {}  # seconds per step, the last window of each mode
         self.since_probe = 0  # windows of the chosen mode since the other one ran
-        self.learning_rate: float | None = None
 
     @staticmethod
     def first() -> str:
@@ -78,8 +76,6 @@ class AutoPolicy:
         if not math.isfinite(window.seconds_per_step) or window.seconds_per_step < 0:
             raise ValueError(f"seconds_per_step={window.seconds_per_step!r} must be finite and >= 0")
         self.cost[window.mode] = window.seconds_per_step
-        dropped = self.learning_rate is not None and window.learning_rate < self.learning_rate * (1 - 1e-6)
-        self.learning_rate = window.learning_rate
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
             return Decision(missing[0], f"measuring {missing[0]} (not measured yet)")
@@ -92,9 +88,6 @@ class AutoPolicy:
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
                f"allreduce's {allreduce * 1000:.1f} ms")
-        if dropped and best == "gossip":
-            return Decision(best, f"the learning rate dropped to {window.learning_rate:g}: models made equal; " + why,
-                            average=True)
         return Decision(best, why)
 
     def _best(self) -> str:
