@@ -70,7 +70,7 @@ class Config:
     trace_end: int = 20
     trace_dir: str = "."
     mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS) or auto
-    auto_window: int = 20  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
+    auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
 
@@ -304,7 +304,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         use_kubernetes=env_flag(env, "DMLC_USE_KUBERNETES", False),
         **_trace(env),
         mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
-        auto_window=_int(env, "BPS_GOSSIP_AUTO_WINDOW", 20, minimum=1),
+        auto_window=_int(env, "BPS_GOSSIP_AUTO_WINDOW", 10, minimum=1),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),
     )

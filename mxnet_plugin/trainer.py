@@ -67,7 +67,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``mxnet_plugin.overlap``); without it, ``step()`` waits for each gradient in turn.
 
     ``mode='auto'`` (:class:`~mxnet_plugin.modes.AutoMode`): one of the two at a time,
-    chosen every BPS_GOSSIP_AUTO_WINDOW steps (default 20) from the seconds per step each
+    chosen every BPS_GOSSIP_AUTO_WINDOW steps (default 10) from the seconds per step each
     takes, the same way on every rank (see docs/gossip.md, "mode='auto'");
     ``active_mode`` says which runs, ``mode_history`` every decision and why.
 

@@ -7,10 +7,7 @@ window (see that module for the rule). The worker's log says at INFO what it swi
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
 MAX_HISTORY decisions.
 
-A gossip window ends with the models made exactly their average (through the servers, as
-``average_parameters``): the ranks' spread never outlives a window, which is where gossip loses
-accuracy on the plateau against allreduce's exact average (measured in docs/netns.md). Its
-cost counts in the window's time. Switching keeps the ranks' models consistent:
+Switching keeps the ranks' models consistent:
 
 - allreduce -> gossip: the models are equal (every rank applied the same summed gradients);
   push-sum starts again from them, weight 1.
@@ -128,10 +125,6 @@ class AutoMode(TrainerMode):
     # -- windows ----------------------------------------------------------------------------
     def _end_window(self, now: float) -> None:
         assert self.window_start is not None
-        if self.active.name == "gossip":  # one model again; its cost is part of the window's
-            self.active.flush()
-            self.active.average_parameters()
-            now = time.perf_counter()
         measured = np.array([(now - self.window_start) / max(1, self.window - 1)], np.float64)
         mean = core.push_pull(measured, name="auto_mode_window", average=True)
         self._switch(self.policy.decide(Window(self.active.name, float(mean[0]))))
@@ -142,7 +135,9 @@ class AutoMode(TrainerMode):
             self.history.append((step, decision.mode, decision.why))
             log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
             return
-        if decision.mode == "allreduce":  # from gossip (models averaged): the optimizer states too
+        if decision.mode == "allreduce":  # from gossip: equal models and optimizer states first
+            self.active.flush()
+            self.active.average_parameters()
             self._average_optimizer_states()
         else:  # from allreduce: the models are equal
             mx.nd.waitall()
