@@ -53,9 +53,11 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``mode='gossip'`` (:class:`~mxnet_plugin.modes.GossipMode`): Stochastic Gradient Push.
     Each step applies the local optimizer update, then mixes the parameters with this
     round's peers. The keywords ``graph``, ``peers_per_itr``, ``push_sum``, ``overlap``,
-    ``synch_freq``, ``average_every`` and ``gossip_gamma`` (or ``gossip_options=``, a
-    :class:`~mxnet_plugin.modes.GossipOptions`, which they override) set it; see
-    docs/gossip.md. Call ``flush()`` before evaluating or saving in overlap mode
+    ``synch_freq``, ``average_every``, ``gossip_gamma`` and ``route_slow_links`` (or
+    ``gossip_options=``, a :class:`~mxnet_plugin.modes.GossipOptions`, which they override)
+    set it; see docs/gossip.md. A worker whose messages come late for everyone (a slow
+    link) is routed around by default: its edges carry a message every few rounds and nobody
+    waits for them. Call ``flush()`` before evaluating or saving in overlap mode
     (``save_states`` does it); ``consensus_distance()`` and ``average_parameters()`` are
     collectives: call them on every rank.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,10 +81,12 @@ class _Collective:
 class FakeNetwork:
     """N in-process ranks; ``local`` groups ranks into hosts of that many (shared memory)."""
 
-    def __init__(self, size: int, local: int = 1, hold: bool = False) -> None:
+    def __init__(self, size: int, local: int = 1, hold: bool = False, slow: dict[int, float] | None = None) -> None:
         self.size = size
         self.local = local
         self.hold = hold
+        self.slow = dict(slow or {})  # rank -> seconds every message to or from it takes
+        self.timers: list[threading.Timer] = []
         self.lock = threading.Lock()
         self.held: list[tuple[int, int, dict[str, Any], list[np.ndarray]]] = []
         self.mailbox: dict[tuple[int, str, int], dict[int, tuple[dict[str, Any], list[np.ndarray]]]] = {}
@@ -122,6 +125,13 @@ class FakeNetwork:
             if self.hold:
                 self.held.append((src, dst, header, copies))
                 return
+            delay = max(self.slow.get(src, 0.0), self.slow.get(dst, 0.0))
+            if delay:  # a slow link: the message arrives later, in order (one timer per message)
+                timer = threading.Timer(delay, self._deliver, (src, dst, header, copies))
+                timer.daemon = True
+                self.timers.append(timer)
+                timer.start()
+                return
         self._deliver(src, dst, header, copies)
 
     def deliver(self) -> int:
@@ -134,6 +144,7 @@ class FakeNetwork:
 
     def _deliver(self, src: int, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         key = (dst, str(header["tag"]), int(header["round"]))
+        header["arrived"] = time.monotonic()  # as the worker's channel stamps it
         with self.lock:
             self.mailbox.setdefault(key, {})[src] = (header, arrays)
             complete = self._take(key)

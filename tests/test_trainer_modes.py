@@ -46,7 +46,7 @@ def test_every_keyword_of_before_is_still_a_keyword():
     signature = inspect.signature(bps.DistributedTrainer)
     for name in KEYWORDS_BEFORE:
         assert name in signature.parameters or name in GossipOptions.names(), name
-    assert set(GossipOptions.names()) == set(KEYWORDS_BEFORE[6:12]) | {"gossip_gamma"}
+    assert set(GossipOptions.names()) == set(KEYWORDS_BEFORE[6:12]) | {"gossip_gamma", "route_slow_links"}
 
 
 def test_a_bad_mode_is_named():

@@ -9,12 +9,18 @@ rounds may stay open, so ``synch_freq=0`` means "one step stale", as in SGP.
 
 Messages and the exact collectives go through a :class:`~.link.Link` passed as ``link``
 (by default the link of the initialized worker, see :func:`.link.default_link`).
+
+With ``route_slow_links`` (push-sum, three workers or more) the ranks measure how late each
+peer's messages come and route around a slow one together (:mod:`.routing`): its edges are
+thinned and nobody waits for them; their messages are absorbed when they arrive.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +29,9 @@ import numpy as np
 from .gossipers import PendingRound, PushPull, PushSum
 from .graphs import Graph, make_graph, symmetric_mixing_is_doubly_stochastic
 from .link import Link, default_link
+from .routing import MAX_OWED, SlowLinkRouting
+
+log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
 
 
 class GossipAverager:
@@ -32,14 +41,17 @@ class GossipAverager:
 
     def __init__(self, buffers: Mapping[str, np.ndarray], graph: str | Graph = "npdde", peers_per_itr: int = 1,
                  push_sum: bool = True, overlap: bool = False, synch_freq: int = 0, tag: str = "gossip",
-                 mixing: object = None, link: Link | None = None) -> None:
+                 mixing: object = None, link: Link | None = None, route_slow_links: bool = True) -> None:
         self._start(buffers, link, tag)
-        self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq)
+        self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq,
+                                          route_slow_links)
         self.overlap = overlap
         self.synch_freq = synch_freq
         # The weight must travel unless every round is regular, complete and closed at once.
         track = overlap or not self.graph.is_regular
         self.gossiper = PushSum(self.graph, self.link, tag, mixing, track) if push_sum else PushPull(self.graph, self.link, tag)
+        if route_slow_links and push_sum and self.size >= 3:
+            self.routing = SlowLinkRouting(self.size, self.rank)
 
     def _start(self, buffers: Mapping[str, np.ndarray], link: Link | None, tag: str) -> None:
         """The state every averager starts with: the link, copies of the buffers as x (floating
@@ -54,6 +66,15 @@ class GossipAverager:
         self.weight, self.rnd, self.tag = 1.0, 0, tag
         self.overlap, self.synch_freq = False, 0
         self.open: collections.deque[PendingRound] = collections.deque()
+        self.owed: collections.deque[PendingRound] = collections.deque()  # deferred receipts (routing)
+        self.routing: SlowLinkRouting | None = None
+        self.borrowed = False  # x is the caller's memory (use_buffers)
+
+    @property
+    def owns_x(self) -> bool:
+        """False while x may be the caller's memory (:meth:`use_buffers`); True for good once
+        routing around a slow link began (z = x / w from then on)."""
+        return self.routing is not None and self.routing.active_since is not None
 
     @staticmethod
     def model_is_x(graph: Graph, push_sum: bool, overlap: bool) -> bool:
@@ -66,7 +87,7 @@ class GossipAverager:
         """From now on x is ``buffers`` themselves, not a copy (the same keys, sizes and dtypes,
         one-dimensional): the model's own memory, mixed in place. Only where
         :meth:`model_is_x` holds, since z = x / w is then x."""
-        if self.weight != 1.0 or self.open or list(buffers) != list(self.x):
+        if self.weight != 1.0 or self.open or self.owns_x or list(buffers) != list(self.x):
             raise ValueError("gossip: x can be the model's memory only while w is 1 and no round is open, "
                              "with the same keys")
         for key, value in buffers.items():
@@ -75,11 +96,14 @@ class GossipAverager:
                 raise ValueError(f"gossip: buffer {key!r} is {value.dtype} {value.shape}, x is {held.dtype} "
                                  f"{held.shape}")
         self.x = dict(buffers)
+        self.borrowed = True
 
     @staticmethod
     def check_arguments(size: int, graph: str | Graph, peers_per_itr: int, push_sum: bool, overlap: bool,
-                        synch_freq: int) -> Graph:
+                        synch_freq: int, route_slow_links: bool = True) -> Graph:
         """Validate the arguments (ValueError naming the bad one); return the graph."""
+        if not isinstance(route_slow_links, bool):
+            raise ValueError(f"gossip: route_slow_links={route_slow_links!r} must be True or False")
         if isinstance(synch_freq, bool) or not isinstance(synch_freq, int) or synch_freq < 0:
             raise ValueError(f"gossip: synch_freq={synch_freq!r} must be an int >= 0")
         if overlap and not push_sum:
@@ -101,7 +125,7 @@ class GossipAverager:
     def model(self) -> dict[str, np.ndarray]:
         """z = x / w; x itself (no copy) when w is 1 and no round is open, so a caller that
         writes it out and does not change it may hand it back as ``before`` for free."""
-        if self.weight == 1.0 and not self.open:
+        if self.weight == 1.0 and not self.open and not self.owed:
             return self.x
         return self.debiased()
 
@@ -135,30 +159,84 @@ class GossipAverager:
         if self.overlap:
             while self.open and (len(self.open) > self.synch_freq or self.open[0].arrived()):
                 self._absorb(self.open.popleft(), tracer)
+        peers: dict[str, Any] = {}
+        if self.routing is not None:
+            self._route(tracer)
+            sends, waits, deferred = self.routing.split(self.graph.out_peers(self.rank, self.rnd),
+                                                        self.graph.in_peers(self.rank, self.rnd), self.rnd)
+            peers = {"out_peers": sends, "sources": waits}
         # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
         # over x; an open round must take it now, before x changes.
         with self._span(tracer, "SEND"):
             pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight,
-                                                       defer_scaling=not self.overlap)
+                                                       defer_scaling=not self.overlap, **peers)
+        if peers:
+            self.owed.extend(PendingRound(self.rnd, self.link.expect(self.tag, self.rnd, [src]), [src],
+                                          started=pending.started) for src in deferred)
         self.rnd += 1
         if self.overlap:
             self.open.append(pending)
         else:
             self._absorb(pending, tracer)
 
+    def _route(self, tracer: Any) -> None:
+        """Before a round: absorb the deferred messages that arrived (waiting for a source's
+        oldest past MAX_OWED of it); every WINDOW rounds, decide with every rank which ranks
+        are slow (collective)."""
+        self._absorb_owed(tracer)
+        routing = self.routing
+        if not routing.due(self.rnd, time.monotonic()):
+            return
+        summed = self.link.push_pull(routing.measurements(time.monotonic()), f"{self.tag}.route", average=False)
+        if routing.decide(np.asarray(summed, dtype=np.float64), self.rnd, time.monotonic()):
+            if routing.active_since is not None and not self.gossiper.track_weight:
+                self._take_x()
+            log.info("gossip %r at round %d: %s", self.tag, self.rnd, routing.describe())
+
+    def _take_x(self) -> None:
+        """Routing began: push-sum's weights travel from now on (every rank switches at the same
+        round, while w is 1 everywhere) and x stops being the caller's memory."""
+        if self.borrowed:
+            self.x = {key: value.copy() for key, value in self.x.items()}
+            self.borrowed = False
+        self.gossiper.track_weight = True
+
+    def _absorb_owed(self, tracer: Any = None, everything: bool = False) -> None:
+        """Absorb deferred messages: those that arrived, in order; the oldest of a source that
+        owes more than MAX_OWED (or, with ``everything``, all) by waiting."""
+        while self.owed:
+            owed_by = collections.Counter(pending.sources[0] for pending in self.owed)
+            waiting = [pending for pending in self.owed
+                       if everything or pending.arrived() or owed_by[pending.sources[0]] > MAX_OWED]
+            if not waiting:
+                return
+            pending = waiting[0]
+            self.owed.remove(pending)
+            self._absorb(pending, tracer)
+
     def _absorb(self, pending: PendingRound, tracer: Any = None) -> None:
         with self._span(tracer, "MIX"):
             self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
+        if self.routing is not None:
+            for src, delay in pending.delays.items():
+                self.routing.record(src, delay)
 
     def flush(self) -> None:
-        """Absorb every open round (before evaluating, saving or stopping)."""
+        """Absorb every open round, and the deferred messages that arrived (before evaluating,
+        saving or stopping)."""
         while self.open:
             self._absorb(self.open.popleft())
+        self._absorb_owed()
+
+    def drain(self) -> None:
+        """Absorb everything in flight to this rank, waiting for deferred messages too."""
+        self.flush()
+        self._absorb_owed(everything=True)
 
     # -- exact collectives through the servers ------------------------------------
     def average_exactly(self) -> None:
         """Make every rank hold the exact average (sum of x over sum of w), with w = 1."""
-        self.flush()
+        self.drain()
         if self.size == 1:
             return
         total_weight = self.link.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,14 +40,22 @@ class PendingRound:
     future: concurrent.futures.Future | None  # the link's expect(); None when the round has no in-peers
     sources: list[int]
     kept: float | None = None  # the share x keeps, when begin() left scaling x to absorb()
+    started: float = dataclasses.field(default_factory=time.monotonic)  # when this rank began the round
+    delays: dict[int, float] = dataclasses.field(default_factory=dict)  # source -> seconds after ``started``
 
     def arrived(self) -> bool:
         """True when every in-peer's message is in (absorbing will not wait)."""
         return self.future is None or self.future.done()
 
     def wait(self, tag: str, timeout: float | None) -> Any:
-        """The expect() result: {source: (header, arrays)}."""
-        return wait(self.future, timeout, f"gossip {tag!r} round {self.rnd}")
+        """The expect() result: {source: (header, arrays)}; notes when each message arrived
+        (the link stamps ``arrived``, a monotonic time; else now)."""
+        received = wait(self.future, timeout, f"gossip {tag!r} round {self.rnd}")
+        now = time.monotonic()
+        for src, (header, _) in received.items():
+            arrived = header.get("arrived", now)
+            self.delays[src] = arrived - self.started if isinstance(arrived, float) else now - self.started
+        return received
 
 
 def _wire(header: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -77,14 +86,16 @@ class PushSum:
         self.mixing = mixing or UniformMixing()
         self.track_weight = track_weight
 
-    def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float,
-              defer_scaling: bool = False) -> tuple[PendingRound, float]:
+    def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float, defer_scaling: bool = False,
+              out_peers: Sequence[int] | None = None, sources: Sequence[int] | None = None
+              ) -> tuple[PendingRound, float]:
         """Send this round's shares and keep ours: scales ``x`` in place (or, with
         ``defer_scaling``, leaves that to :meth:`absorb`, which must come before x changes);
-        returns the kept weight."""
+        returns the kept weight. ``out_peers`` and ``sources`` (the in-peers to wait for)
+        default to the graph's for the round."""
         rank = self.link.rank
-        out_peers = self.graph.out_peers(rank, rnd)
-        sources = self.graph.in_peers(rank, rnd)
+        out_peers = self.graph.out_peers(rank, rnd) if out_peers is None else list(out_peers)
+        sources = self.graph.in_peers(rank, rnd) if sources is None else list(sources)
         future = self.link.expect(self.tag, rnd, sources) if sources else None
         kept, shares = self.mixing.weights(rank, out_peers)
         keys = list(x)
@@ -117,6 +128,8 @@ class PushSum:
             for key, array in zip_exact(header["keys"], arrays):
                 addends[key].append(array)
             if self.track_weight:
+                if header.get("weight") is None:
+                    raise ValueError(f"gossip {self.tag!r} round {pending.rnd}: rank {src} sent no push-sum weight")
                 weight += float(header["weight"])
         for key, value in x.items():
             if pending.kept is not None:

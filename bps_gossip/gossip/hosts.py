@@ -106,7 +106,9 @@ class HostAverager(GossipAverager):
         self.hosts: GossipAverager | None = None
         if self.rank == self.leader:  # its x is ours: the hosts' round mixes it in place
             hosts_link = HostsLink(self.link, [group[0] for group in groups])
-            self.hosts = GossipAverager(self.x, graph, peers_per_itr, push_sum, tag=f"{tag}.hosts", link=hosts_link)
+            # not routed: its link has no collective over the leaders alone
+            self.hosts = GossipAverager(self.x, graph, peers_per_itr, push_sum, tag=f"{tag}.hosts", link=hosts_link,
+                                        route_slow_links=False)
             self.hosts.x = self.x
 
     def _round(self, tracer: Any = None) -> None:

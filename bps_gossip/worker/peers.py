@@ -38,7 +38,7 @@ LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages 
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
 MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
-MAX_AHEAD = 64  # rounds of one tag a peer may be ahead of the last one read from it
+MAX_AHEAD = 256  # rounds of one tag a peer may be ahead of the last one read from it (routing: thinned edges)
 
 Message = Tuple[Dict[str, Any], List[np.ndarray]]
 Filed = Tuple[Dict[str, Any], List[np.ndarray], int]  # a message and the bytes it holds
@@ -169,7 +169,9 @@ class PeerChannel:
             raise ProtocolError(f"rank {src} has {count} gossip messages ({nbytes} bytes) nobody waits for: "
                                 f"round {rnd} of {tag!r} dropped")
         self.pending[src] = [count + 1, nbytes + size]
-        self.inbox.setdefault((tag, rnd), box)[src] = (msg.encode(), arrays, size)
+        header = msg.encode()
+        header["arrived"] = time.monotonic()  # how late each peer's messages come (gossip's routing)
+        self.inbox.setdefault((tag, rnd), box)[src] = (header, arrays, size)
         self._complete((tag, rnd))
 
     @staticmethod

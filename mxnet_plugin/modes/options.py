@@ -49,8 +49,10 @@ class GossipOptions:
     ``average_every=K``: the exact average through the servers every K steps (0: never).
     ``gossip_gamma``: CHOCO's consensus step, used when ``compression_params`` names a
     compressor (None: the compressor's default, see
-    :func:`bps_gossip.gossip.choco.default_gamma`). Invalid values raise ValueError naming
-    the option.
+    :func:`bps_gossip.gossip.choco.default_gamma`). ``route_slow_links``: the ranks measure
+    how late each peer's messages come and route push-sum around a slow worker (its edges
+    carry a message every few rounds and nobody waits for them; :mod:`bps_gossip.gossip.routing`).
+    Invalid values raise ValueError naming the option.
     """
 
     graph: str | Graph = "npdde"
@@ -60,6 +62,7 @@ class GossipOptions:
     synch_freq: int = 0
     average_every: int = 0
     gossip_gamma: float | None = None
+    route_slow_links: bool = True
 
     def __post_init__(self) -> None:
         _check_graph(self.graph)
@@ -67,6 +70,7 @@ class GossipOptions:
             raise ValueError(f"gossip option peers_per_itr={self.peers_per_itr!r} must be an int >= 1")
         _check_flag("push_sum", self.push_sum)
         _check_flag("overlap", self.overlap)
+        _check_flag("route_slow_links", self.route_slow_links)
         for name in ("synch_freq", "average_every"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
@@ -78,7 +82,7 @@ class GossipOptions:
                                   or not 0 < gamma <= 1):
             raise ValueError(f"gossip option gossip_gamma={gamma!r} must be in (0, 1] (or None: the compressor's)")
         # Normalized, so that what the averager receives is exactly what it expects.
-        for name in ("push_sum", "overlap"):
+        for name in ("push_sum", "overlap", "route_slow_links"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         for name in ("peers_per_itr", "synch_freq", "average_every"):
             object.__setattr__(self, name, int(getattr(self, name)))
@@ -105,4 +109,4 @@ class GossipOptions:
     def averager_arguments(self) -> dict[str, Any]:
         """The keywords of ``GossipAverager`` these options set."""
         return {"graph": self.graph, "peers_per_itr": self.peers_per_itr, "push_sum": self.push_sum,
-                "overlap": self.overlap, "synch_freq": self.synch_freq}
+                "overlap": self.overlap, "synch_freq": self.synch_freq, "route_slow_links": self.route_slow_links}

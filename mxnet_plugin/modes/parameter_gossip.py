@@ -104,21 +104,43 @@ class ParameterGossip:
     def _mix_in_place(self) -> None:
         """One round with x = the large parameters' own memory and flat copies of the small ones
         (a view per array costs more than copying a small one), then the copies are written back
-        and the other device copies of the large ones follow their first."""
+        and the other device copies of the large ones follow their first. Once the averager
+        routes around a slow link it owns x (z = x / w): the step's displacement goes in, z
+        comes back out (:meth:`_write_model`)."""
         if not self.layout:
             self._build_layout()
         mx.nd.waitall()  # the update has landed; nothing in MXNet's engine touches the parameters now
-        x = self._copy_out(self.small_layout, self.averager.x if self.averager is not None else None)
+        owned = self.averager is not None and self.averager.owns_x
+        x = self._copy_out(self.small_layout, None if owned or self.averager is None else self.averager.x)
         x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
         if self.averager is None:  # after the first-step broadcast: every rank starts equal
             self.averager = self._new_averager(x, start_equal=True)
-        self.averager.use_buffers(x)
+        if owned:
+            self.averager.apply_update(self.written, x)
+        else:
+            self.averager.use_buffers(x)
         self.averager.step()
+        if self.averager.owns_x:  # also when routing began in this step: x is the averager's now
+            self._write_model(self.averager.model())
+            return
         self._copy_in(self.small_layout, x)
         for key, param in self.large:
             copies = param.list_data()
             for index, copy in enumerate(copies[1:], 1):
                 np.copyto(self.views.flat((param, index), copy), x[key])
+
+    def _write_model(self, z: dict[str, np.ndarray]) -> None:
+        """Write z into every device copy of every parameter (whichever layout the averager's
+        keys follow) and remember it as what the last mix wrote."""
+        if not self.direct:
+            self.unpack(z)
+            return
+        self.written = z
+        mx.nd.waitall()  # nobody reads or writes the parameters in MXNet's engine while we write
+        self._copy_in(self.small_layout, z)
+        for key, param in self.large:
+            for index, copy in enumerate(param.list_data()):
+                np.copyto(self.views.flat((param, index), copy), z[key])
 
     def _gossiped(self) -> list[tuple[mx.gluon.Parameter, int]]:
         """(parameter, size) of every floating-point parameter, in the trainer's order."""
@@ -232,15 +254,15 @@ class ParameterGossip:
         return GossipAverager(buffers, tag=self.tag, **self.averager_args)
 
     def flush(self) -> None:
-        """Absorb every open gossip round and write z back."""
-        if self.averager is not None and self.averager.open:
+        """Absorb every open gossip round (and deferred messages that arrived) and write z back."""
+        if self.averager is not None and (self.averager.open or self.averager.owed):
             self.averager.flush()
-            self.unpack(self.averager.model())
+            self._write_model(self.averager.model())
 
     def _packed_averager(self) -> GossipAverager:
         """The averager, or, where it mixes the parameters in place, one on flat copies of them:
         the exact collectives then take one push_pull per dtype, not one per parameter."""
-        if self.direct:
+        if self.direct and not (self.averager is not None and self.averager.owns_x):
             return self._new_averager(self.pack())
         if self.averager is None:
             self.averager = self._new_averager(self.pack())
@@ -250,7 +272,10 @@ class ParameterGossip:
         """Make every rank's parameters the exact average (through the servers)."""
         averager = self._packed_averager()
         averager.average_exactly()
-        self.unpack(averager.model())
+        if averager is self.averager:
+            self._write_model(averager.model())
+        else:
+            self.unpack(averager.model())
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""

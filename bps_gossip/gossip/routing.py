@@ -1,0 +1,163 @@
+"""Routing push-sum gossip around slow links: one slow worker slows only itself.
+
+Every rank measures, for each message it receives, how long after the start of its own
+round the message arrived (an edge's delay). Every ``WINDOW`` rounds all ranks sum these
+measurements through the servers (one small push_pull) and take the same decision from the
+same numbers (:func:`choose_slow`): a rank whose edges are much slower than the others' (its
+link, or its compute, is what the others wait for) becomes *slow*. Edges that touch a slow
+rank are then
+
+- *deferred*: the receiver never blocks on them; it absorbs the message at whichever later
+  round it has arrived by (push-sum stays exact with delayed messages: the mass is only in
+  flight a little longer), and waits for the oldest only past ``MAX_OWED`` of one source;
+- *thinned*: they carry a message only once every ``period`` rounds (chosen so that the
+  slow link carries one model in the time it takes, measured), so it never queues up. In the
+  other rounds the sender keeps that share: the graph varies in time, the sums stay exact.
+
+Push-sum's weights are tracked from the first decision that finds a slow rank on.
+A rank stops being slow when its edges are fast again (a lower threshold than the one that
+made it slow, so the decision does not flap). At most (n - 1) // 2 ranks are slow: when
+more are, they are the norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+WINDOW = 32  # rounds between two decisions
+MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this many rounds
+MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
+ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
+ENTER_FLOOR, LEAVE_FLOOR = 0.02, 0.01  # seconds of mean delay below which a rank is never slow
+
+
+def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, window: int,
+                slow: Mapping[int, int]) -> dict[int, int]:
+    """The slow ranks and their periods (rounds between messages on their edges) for the next
+    window: a pure function of the summed measurements, so every rank decides the same.
+
+    ``delays[a, b]`` / ``counts[a, b]``: the summed delays (seconds) and the number of messages
+    measured on edge a -> b (by b); ``seconds[r]``: how long rank r's window took; ``slow``: the
+    current decision.
+
+    A rank's score is the mean delay of the edges it touches. While a slow rank holds the
+    others up, they are late for each other too, so at most one rank becomes slow per window
+    (the worst): once nobody waits for it, the next window shows whether another one is slow.
+    """
+    n = len(seconds)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(counts > 0, delays / np.maximum(counts, 1), np.nan)
+    scores, worst = {}, {}
+    for rank in range(n):
+        touching = np.concatenate([mean[rank, :], mean[:, rank]])
+        touching = touching[~np.isnan(touching)]
+        if touching.size:
+            scores[rank], worst[rank] = float(touching.mean()), float(touching.max())
+    if len(scores) < 3:  # nothing to compare with: keep the decision
+        return dict(slow)
+    typical = float(np.median(list(scores.values())))
+    round_seconds = max(float(np.median(seconds)) / max(window, 1), 1e-6)
+
+    def is_slow(rank: int, ratio: float, floor: float) -> bool:
+        return scores[rank] > max(floor, ratio * typical)
+
+    chosen = {rank: period for rank, period in slow.items()
+              if rank not in scores or is_slow(rank, LEAVE_RATIO, LEAVE_FLOOR)}
+    newcomers = sorted((rank for rank in scores if rank not in chosen and is_slow(rank, ENTER_RATIO, ENTER_FLOOR)),
+                       key=lambda rank: (-scores[rank], rank))
+    if newcomers and len(chosen) < (n - 1) // 2:
+        chosen[newcomers[0]] = 0
+    for rank in chosen:
+        if rank in worst:  # one model in the time its link takes to carry one, measured
+            chosen[rank] = min(max(math.ceil(worst[rank] / round_seconds) + 1, 2), MAX_PERIOD)
+    return chosen
+
+
+class SlowLinkRouting:
+    """One rank's view of which edges are deferred and thinned (see the module docstring)."""
+
+    def __init__(self, size: int, rank: int, window: int = WINDOW) -> None:
+        self.size, self.rank, self.window = size, rank, window
+        self.slow: dict[int, int] = {}  # slow rank -> period
+        self.active_since: int | None = None  # the first round with a slow rank (weights tracked from then)
+        self.history: list[tuple[int, dict[int, int]]] = []  # (round, decision) at every change
+        self._delays = np.zeros((size, size))
+        self._counts = np.zeros((size, size))
+        self._window_started: float | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when some rank is slow now."""
+        return bool(self.slow)
+
+    def period(self, src: int, dst: int) -> int:
+        """Rounds between messages on edge src -> dst: 0 for an edge between two fast ranks."""
+        return max(self.slow.get(src, 0), self.slow.get(dst, 0))
+
+    def carries(self, src: int, dst: int, rnd: int) -> bool:
+        """Whether edge src -> dst carries a message at round ``rnd``: always between fast ranks,
+        once in each block of ``period`` rounds otherwise, at a place that moves from block to
+        block (so a slow rank meets every peer of a periodic graph in turn)."""
+        period = self.period(src, dst)
+        return period == 0 or rnd % period == (rnd // period) % period
+
+    def split(self, out_peers: Sequence[int], in_peers: Sequence[int], rnd: int
+              ) -> tuple[list[int], list[int], list[int]]:
+        """This rank's round: (the out-peers it sends to, the in-peers it waits for, the in-peers
+        whose messages it absorbs when they arrive)."""
+        me = self.rank
+        sends = [peer for peer in out_peers if self.carries(me, peer, rnd)]
+        waits = [src for src in in_peers if self.period(src, me) == 0]
+        deferred = [src for src in in_peers if self.period(src, me) and self.carries(src, me, rnd)]
+        return sends, waits, deferred
+
+    def record(self, src: int, delay: float) -> None:
+        """A message from ``src`` arrived ``delay`` seconds after this rank started its round."""
+        self._delays[src, self.rank] += max(delay, 0.0)
+        self._counts[src, self.rank] += 1
+
+    def due(self, rnd: int, now: float) -> bool:
+        """Whether round ``rnd`` starts with a decision (every ``window`` rounds)."""
+        if self._window_started is None:
+            self._window_started = now
+        return rnd > 0 and rnd % self.window == 0
+
+    def measurements(self, now: float) -> np.ndarray:
+        """This rank's part of the window's sum: delays, counts, and its window's seconds."""
+        n = self.size
+        vector = np.zeros(2 * n * n + n)
+        vector[:n * n] = self._delays.reshape(-1)
+        vector[n * n:2 * n * n] = self._counts.reshape(-1)
+        vector[2 * n * n + self.rank] = now - (self._window_started or now)
+        return vector
+
+    def decide(self, summed: np.ndarray, rnd: int, now: float) -> bool:
+        """Take the decision from the summed measurements of every rank; start a new window.
+        True when the slow ranks or their periods changed."""
+        n = self.size
+        if summed.shape != (2 * n * n + n,) or not np.isfinite(summed).all():
+            raise ValueError(f"gossip routing: the summed measurements have shape {summed.shape}, not finite "
+                             f"or not {(2 * n * n + n,)}")
+        delays = summed[:n * n].reshape(n, n)
+        counts = summed[n * n:2 * n * n].reshape(n, n)
+        chosen = choose_slow(delays, counts, summed[2 * n * n:], self.window, self.slow)
+        self._delays[:] = 0
+        self._counts[:] = 0
+        self._window_started = now
+        if chosen == self.slow:
+            return False
+        self.slow = chosen
+        if chosen and self.active_since is None:
+            self.active_since = rnd
+        self.history.append((rnd, dict(chosen)))
+        return True
+
+    def describe(self) -> str:
+        """The decision in words, for the log."""
+        if not self.slow:
+            return "no rank is slow: every edge carries every round"
+        parts = ", ".join(f"rank {rank} every {period} rounds" for rank, period in sorted(self.slow.items()))
+        return f"slow ranks' edges carry a message (nobody waits for it): {parts}"

@@ -1,0 +1,144 @@
+"""Gossip that routes around a slow link (bps_gossip.gossip.routing): the decision from the
+measurements, and push-sum over the thinned, deferred edges in process (tests.fakes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bps_gossip.gossip.averager import GossipAverager
+from bps_gossip.gossip.graphs import make_graph
+from bps_gossip.gossip.routing import MAX_OWED, MAX_PERIOD, SlowLinkRouting, choose_slow
+from tests.fakes import FakeNetwork, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def measured(n: int, edge_delay: dict[tuple[int, int], float], default: float = 0.001,
+             graph: str = "npdde", rounds: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Summed delays and counts of ``rounds`` rounds of ``graph``, every edge ``default``
+    seconds late unless ``edge_delay`` says otherwise."""
+    delays, counts = np.zeros((n, n)), np.zeros((n, n))
+    built = make_graph(graph, n)
+    for rnd in range(rounds):
+        for src in range(n):
+            for dst in built.out_peers(src, rnd):
+                delays[src, dst] += edge_delay.get((src, dst), default)
+                counts[src, dst] += 1
+    return delays, counts
+
+
+def slow_rank_delays(n: int, slow: int, late: float) -> dict[tuple[int, int], float]:
+    return {(a, b): late for a in range(n) for b in range(n) if slow in (a, b) and a != b}
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_a_rank_whose_edges_are_late_becomes_slow_with_a_period_its_link_can_carry(n):
+    delays, counts = measured(n, slow_rank_delays(n, 2, 0.25))
+    seconds = np.full(n, 32 * 0.02)  # 20 ms a round
+    chosen = choose_slow(delays, counts, seconds, 32, {})
+    assert chosen == {2: min(MAX_PERIOD, int(np.ceil(0.25 / 0.02)) + 1)}
+
+
+def test_a_uniform_network_has_no_slow_rank_however_slow():
+    for late in (0.001, 0.05, 1.0):
+        delays, counts = measured(8, {}, default=late)
+        assert choose_slow(delays, counts, np.ones(8), 32, {}) == {}
+
+
+def test_small_delays_are_never_slow_and_one_rank_joins_per_window():
+    delays, counts = measured(8, slow_rank_delays(8, 1, 0.015))  # 15 x the others, under the floor
+    assert choose_slow(delays, counts, np.ones(8), 32, {}) == {}
+    both = {**slow_rank_delays(8, 1, 0.5), **slow_rank_delays(8, 5, 0.3)}
+    delays, counts = measured(8, both)
+    first = choose_slow(delays, counts, np.ones(8), 32, {})
+    assert list(first) == [1]  # the worst first; the next window shows the other
+    assert sorted(choose_slow(delays, counts, np.ones(8), 32, first)) == [1, 5]
+
+
+def test_a_slow_rank_stays_until_its_edges_are_fast_and_a_minority_is_slow():
+    delays, counts = measured(4, slow_rank_delays(4, 3, 0.04))
+    assert 3 in choose_slow(delays, counts, np.ones(4), 32, {3: 5})
+    delays, counts = measured(4, {})  # its link recovered
+    assert choose_slow(delays, counts, np.ones(4), 32, {3: 5}) == {}
+    delays, counts = measured(4, slow_rank_delays(4, 0, 0.5))
+    assert list(choose_slow(delays, counts, np.ones(4), 32, {3: 5})) == [0]  # 3 recovered, 0 is slow now
+    delays, counts = measured(4, {**slow_rank_delays(4, 3, 0.5), **slow_rank_delays(4, 0, 0.6)})
+    assert choose_slow(delays, counts, np.ones(4), 32, {}) == {}  # half of them slow: that is the norm
+    delays, counts = measured(2, slow_rank_delays(2, 0, 0.5))
+    assert choose_slow(delays, counts, np.ones(2), 32, {}) == {}  # two ranks: nothing to route around
+
+
+def test_thinned_edges_carry_once_per_period_at_moving_places_and_the_rest_every_round():
+    routing = SlowLinkRouting(4, 0)
+    routing.slow = {3: 4}
+    carried = [rnd for rnd in range(16) if routing.carries(3, 0, rnd)]
+    assert len(carried) == 4 and len({rnd % 4 for rnd in carried}) == 4
+    assert all(routing.carries(1, 2, rnd) for rnd in range(16))
+    graph = make_graph("npdde", 4)
+    for rnd in range(8):  # what one rank sends is what the others expect, deferred or not
+        for src in range(4):
+            sends, _, _ = SlowLinkRouting.split(_at(routing, src), graph.out_peers(src, rnd),
+                                                graph.in_peers(src, rnd), rnd)
+            for dst in sends:
+                _, waits, deferred = SlowLinkRouting.split(_at(routing, dst), graph.out_peers(dst, rnd),
+                                                           graph.in_peers(dst, rnd), rnd)
+                assert (src in deferred) == (3 in (src, dst)) and (src in waits) == (3 not in (src, dst))
+
+
+def _at(routing: SlowLinkRouting, rank: int) -> SlowLinkRouting:
+    other = SlowLinkRouting(routing.size, rank)
+    other.slow = dict(routing.slow)
+    return other
+
+
+def test_bad_measurements_are_refused():
+    routing = SlowLinkRouting(4, 0)
+    with pytest.raises(ValueError, match="summed measurements"):
+        routing.decide(np.zeros(3), 32, 0.0)
+    bad = np.zeros(2 * 16 + 4)
+    bad[0] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        routing.decide(bad, 32, 0.0)
+
+
+def test_push_sum_routes_around_a_slow_rank_and_stays_exact():
+    """Every message to or from rank 3 takes 40 ms: after the first window the ranks agree that
+    it is slow; nobody waits for its edges; the mass (held plus in flight) never changes and
+    the exact average is still reached."""
+    n, slow = 4, 3
+    network = FakeNetwork(n, slow={slow: 0.04})
+    rng = np.random.RandomState(0)
+    x0 = [rng.randn(6) for _ in range(n)]
+    averagers = [GossipAverager({"w": x0[r]}, graph="npdde", tag="r", link=network.link(r)) for r in range(n)]
+
+    def body(rank):
+        avg = averagers[rank]
+        for _ in range(160):
+            avg.step()
+            assert sum(1 for pending in avg.owed if pending.sources == [slow]) <= MAX_OWED + 1
+        avg.drain()
+        return avg.routing.history
+
+    histories = run_ranks(n, body, timeout=100)
+    assert all(history == histories[0] for history in histories)  # one decision, taken together
+    assert histories[0] and slow in histories[0][0][1]
+    for timer in network.timers:
+        timer.join(5)
+    for avg in averagers:  # whatever was still on the way to a rank that had finished
+        avg.drain()
+    assert not network.in_flight
+    assert sum(avg.weight for avg in averagers) == pytest.approx(n, rel=1e-9)
+    held = sum(avg.x["w"] for avg in averagers)
+    np.testing.assert_allclose(held, sum(x0), rtol=1e-9)
+    run_ranks(n, lambda rank: averagers[rank].average_exactly())
+    for avg in averagers:
+        np.testing.assert_allclose(avg.model()["w"], sum(x0) / n, rtol=1e-9)
+
+
+def test_routing_can_be_turned_off_and_is_off_for_two_ranks():
+    network = FakeNetwork(4)
+    assert GossipAverager({"w": np.zeros(2)}, link=network.link(0), route_slow_links=False).routing is None
+    assert GossipAverager({"w": np.zeros(2)}, link=FakeNetwork(2).link(0)).routing is None
+    with pytest.raises(ValueError, match="route_slow_links"):
+        GossipAverager({"w": np.zeros(2)}, link=network.link(0), route_slow_links="yes")
