@@ -186,3 +186,75 @@ def test_every_keyword_of_before_still_trains(cluster):
         assert first[mode][:4] == [name, 2, 2, False], first
         assert first[mode][4] < 1e-6, first  # allreduce: equal; gossip: averaged exactly at step 2
         assert np.allclose(first[mode][5], second[mode][5], atol=1e-5), (first, second)
+
+
+STRAGGLER = """
+    import time
+    import mxnet as mx, numpy as np, mxnet_plugin as bps
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    STEPS, SLOW = 80, size - 1
+    {build}
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {{"learning_rate": {lr}}})
+    for step in range(STEPS):
+        if rank == SLOW:
+            time.sleep(0.08)  # a straggler: everybody would wait for it every round
+        with mx.autograd.record():
+            loss = {loss}
+        loss.backward()
+        trainer.step({batch})
+    gossip = trainer._mode.gossip
+    history = [[rnd, sorted(slow.items())] for rnd, slow in gossip.averager.routing.history]
+    owned = gossip.direct and gossip.averager.owns_x
+    trainer.flush()
+    trainer.average_parameters()
+    values = [p.data().asnumpy() for _, p in sorted(net.collect_params().items())]
+    report([history, owned, {result}, all(bool(np.isfinite(v).all()) for v in values),
+            [v.tobytes().hex()[:64] for v in values], trainer.consensus_distance()])
+    bps.shutdown()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_straggler_is_routed_around_and_the_average_stays_exact(cluster):
+    """Issue 24: rank 2 is 80 ms late every step. The ranks agree it is slow (the same decision
+    on every rank), stop waiting for it, and push-sum stays exact: with constant gradients the
+    exact average after training is SGD's on the mean gradient, to the last digit. The large
+    weight was mixed in its own memory until routing began, in the averager's after."""
+    job = cluster(3)
+    done = job.run_workers(STRAGGLER.format(
+        build="net = mx.gluon.nn.Dense(22000, in_units=3)\n    net.initialize(mx.init.Constant(0.5))\n"
+              "    x = mx.nd.full((1, 3), rank + 1.0)",
+        loss="net(x).sum()", batch=1, lr=0.001, result="float(net.weight.data()[0, 0].asscalar())"),
+        timeout=220)
+    assert_all_ok(done, job)
+    history = done[0].result[0]
+    assert all(f.result[0] == history for f in done)  # decided together
+    assert history and history[0][1][0][0] == 2, history
+    for f in done:
+        _, owned, weight, finite, _, distance = f.result
+        assert owned and finite and distance < 1e-6
+        assert weight == pytest.approx(0.5 - 0.001 * 80 * 2.0, abs=1e-5)  # mean gradient of x = rank + 1: 2
+
+
+@pytest.mark.timeout(300)
+def test_a_straggler_is_routed_around_on_mobilenet_with_batchnorm(cluster):
+    """The same straggler with mobilenet0.25 (hybridized, BatchNorm statistics gossiped with
+    the weights): routing begins, training stays finite, and the exact average is the same
+    bits on every rank."""
+    job = cluster(3)
+    done = job.run_workers(STRAGGLER.format(
+        build="from mxnet.gluon.model_zoo import vision\n    mx.random.seed(rank)\n"
+              "    net = vision.mobilenet0_25(classes=10)\n    net.initialize(mx.init.Xavier())\n"
+              "    net.hybridize()\n    rs = np.random.RandomState(rank)\n"
+              "    data = mx.nd.array(rs.uniform(-1, 1, (2, 3, 32, 32)))\n"
+              "    label = mx.nd.array(rs.randint(0, 10, 2))\n"
+              "    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()",
+        loss="loss_fn(net(data), label)", batch=2, lr=0.01, result="float(loss.mean().asscalar())"),
+        timeout=280)
+    assert_all_ok(done, job)
+    history = done[0].result[0]
+    assert all(f.result[0] == history for f in done) and history and history[0][1][0][0] == 2, history
+    assert all(f.result[3] for f in done)  # finite
+    assert len({tuple(f.result[4]) for f in done}) == 1  # the exact average: the same bits everywhere
+    assert all(f.result[5] < 1e-6 for f in done)

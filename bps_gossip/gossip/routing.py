@@ -34,6 +34,20 @@ ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower 
 ENTER_FLOOR, LEAVE_FLOOR = 0.02, 0.01  # seconds of mean delay below which a rank is never slow
 
 
+def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
+    """Per rank measured both ways: (its score, the mean delay of its slowest edge), in seconds
+    (see :func:`choose_slow`)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(counts > 0, delays / np.maximum(counts, 1), np.nan)
+    scores, worst = {}, {}
+    for rank in range(len(mean)):
+        sides = [side[~np.isnan(side)] for side in (mean[rank, :], mean[:, rank])]
+        if all(side.size for side in sides):
+            scores[rank] = max(float(side.mean()) for side in sides)
+            worst[rank] = max(float(side.max()) for side in sides)
+    return scores, worst
+
+
 def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, window: int,
                 slow: Mapping[int, int]) -> dict[int, int]:
     """The slow ranks and their periods (rounds between messages on their edges) for the next
@@ -43,19 +57,14 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, win
     measured on edge a -> b (by b); ``seconds[r]``: how long rank r's window took; ``slow``: the
     current decision.
 
-    A rank's score is the mean delay of the edges it touches. While a slow rank holds the
-    others up, they are late for each other too, so at most one rank becomes slow per window
-    (the worst): once nobody waits for it, the next window shows whether another one is slow.
+    A rank's score is the larger of the mean delays of its out-edges and of its in-edges (a
+    slow worker is late for everyone it sends to; a slow link is late both ways). While a slow
+    rank holds the others up, they are late for each other too, so at most one rank becomes
+    slow per window (the worst): once nobody waits for it, the next window shows whether
+    another one is slow.
     """
     n = len(seconds)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(counts > 0, delays / np.maximum(counts, 1), np.nan)
-    scores, worst = {}, {}
-    for rank in range(n):
-        touching = np.concatenate([mean[rank, :], mean[:, rank]])
-        touching = touching[~np.isnan(touching)]
-        if touching.size:
-            scores[rank], worst[rank] = float(touching.mean()), float(touching.max())
+    scores, worst = rank_scores(delays, counts)
     if len(scores) < 3:  # nothing to compare with: keep the decision
         return dict(slow)
     typical = float(np.median(list(scores.values())))
@@ -84,6 +93,7 @@ class SlowLinkRouting:
         self.slow: dict[int, int] = {}  # slow rank -> period
         self.active_since: int | None = None  # the first round with a slow rank (weights tracked from then)
         self.history: list[tuple[int, dict[int, int]]] = []  # (round, decision) at every change
+        self.scores: dict[int, float] = {}  # the last window's, by rank (seconds)
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
         self._window_started: float | None = None
@@ -144,6 +154,7 @@ class SlowLinkRouting:
         delays = summed[:n * n].reshape(n, n)
         counts = summed[n * n:2 * n * n].reshape(n, n)
         chosen = choose_slow(delays, counts, summed[2 * n * n:], self.window, self.slow)
+        self.scores = rank_scores(delays, counts)[0]
         self._delays[:] = 0
         self._counts[:] = 0
         self._window_started = now
@@ -157,7 +168,9 @@ class SlowLinkRouting:
 
     def describe(self) -> str:
         """The decision in words, for the log."""
+        measured = ", ".join(f"{rank}: {score * 1000:.1f}" for rank, score in sorted(self.scores.items()))
         if not self.slow:
-            return "no rank is slow: every edge carries every round"
-        parts = ", ".join(f"rank {rank} every {period} rounds" for rank, period in sorted(self.slow.items()))
-        return f"slow ranks' edges carry a message (nobody waits for it): {parts}"
+            return f"no rank is slow, every edge carries every round (ms late by rank: {measured})"
+        parts = ", ".join(f"rank {rank}'s every {period} rounds" for rank, period in sorted(self.slow.items()))
+        return f"routing around slow ranks: nobody waits for their edges, which carry {parts} (ms late by " \
+               f"rank: {measured})"
