@@ -35,38 +35,37 @@ def slow_rank_delays(n: int, slow: int, late: float) -> dict[tuple[int, int], fl
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_a_rank_whose_edges_are_late_becomes_slow_with_a_period_its_link_can_carry(n):
     delays, counts = measured(n, slow_rank_delays(n, 2, 0.25))
-    seconds = np.full(n, 32 * 0.02)  # 20 ms a round
-    chosen = choose_slow(delays, counts, seconds, 32, {})
+    chosen = choose_slow(delays, counts, np.full(n, 0.02), {})  # 20 ms a round
     assert chosen == {2: min(MAX_PERIOD, int(np.ceil(0.25 / 0.02)) + 1)}
 
 
 def test_a_uniform_network_has_no_slow_rank_however_slow():
     for late in (0.001, 0.05, 1.0):
         delays, counts = measured(8, {}, default=late)
-        assert choose_slow(delays, counts, np.ones(8), 32, {}) == {}
+        assert choose_slow(delays, counts, np.ones(8), {}) == {}
 
 
 def test_small_delays_are_never_slow_and_one_rank_joins_per_window():
     delays, counts = measured(8, slow_rank_delays(8, 1, 0.015))  # 15 x the others, under the floor
-    assert choose_slow(delays, counts, np.ones(8), 32, {}) == {}
+    assert choose_slow(delays, counts, np.ones(8), {}) == {}
     both = {**slow_rank_delays(8, 1, 0.5), **slow_rank_delays(8, 5, 0.3)}
     delays, counts = measured(8, both)
-    first = choose_slow(delays, counts, np.ones(8), 32, {})
+    first = choose_slow(delays, counts, np.ones(8), {})
     assert list(first) == [1]  # the worst first; the next window shows the other
-    assert sorted(choose_slow(delays, counts, np.ones(8), 32, first)) == [1, 5]
+    assert sorted(choose_slow(delays, counts, np.ones(8), first)) == [1, 5]
 
 
 def test_a_slow_rank_stays_until_its_edges_are_fast_and_a_minority_is_slow():
     delays, counts = measured(4, slow_rank_delays(4, 3, 0.04))
-    assert 3 in choose_slow(delays, counts, np.ones(4), 32, {3: 5})
+    assert 3 in choose_slow(delays, counts, np.ones(4), {3: 5})
     delays, counts = measured(4, {})  # its link recovered
-    assert choose_slow(delays, counts, np.ones(4), 32, {3: 5}) == {}
+    assert choose_slow(delays, counts, np.ones(4), {3: 5}) == {}
     delays, counts = measured(4, slow_rank_delays(4, 0, 0.5))
-    assert list(choose_slow(delays, counts, np.ones(4), 32, {3: 5})) == [0]  # 3 recovered, 0 is slow now
+    assert list(choose_slow(delays, counts, np.ones(4), {3: 5})) == [0]  # 3 recovered, 0 is slow now
     delays, counts = measured(4, {**slow_rank_delays(4, 3, 0.5), **slow_rank_delays(4, 0, 0.6)})
-    assert choose_slow(delays, counts, np.ones(4), 32, {}) == {}  # half of them slow: that is the norm
+    assert choose_slow(delays, counts, np.ones(4), {}) == {}  # half of them slow: that is the norm
     delays, counts = measured(2, slow_rank_delays(2, 0, 0.5))
-    assert choose_slow(delays, counts, np.ones(2), 32, {}) == {}  # two ranks: nothing to route around
+    assert choose_slow(delays, counts, np.ones(2), {}) == {}  # two ranks: nothing to route around
 
 
 def test_thinned_edges_carry_once_per_period_at_moving_places_and_the_rest_every_round():

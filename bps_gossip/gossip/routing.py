@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 WINDOW = 32  # rounds between two decisions
+FIRST_DECISIONS = (8, 16)  # and before that: a slow rank costs every round until the first one
 MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this many rounds
 MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
 ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
@@ -48,14 +49,14 @@ def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float
     return scores, worst
 
 
-def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, window: int,
+def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarray,
                 slow: Mapping[int, int]) -> dict[int, int]:
     """The slow ranks and their periods (rounds between messages on their edges) for the next
     window: a pure function of the summed measurements, so every rank decides the same.
 
     ``delays[a, b]`` / ``counts[a, b]``: the summed delays (seconds) and the number of messages
-    measured on edge a -> b (by b); ``seconds[r]``: how long rank r's window took; ``slow``: the
-    current decision.
+    measured on edge a -> b (by b); ``round_seconds[r]``: rank r's seconds per round in the
+    window; ``slow``: the current decision.
 
     A rank's score is the larger of the mean delays of its out-edges and of its in-edges (a
     slow worker is late for everyone it sends to; a slow link is late both ways). While a slow
@@ -63,12 +64,12 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, win
     slow per window (the worst): once nobody waits for it, the next window shows whether
     another one is slow.
     """
-    n = len(seconds)
+    n = len(round_seconds)
     scores, worst = rank_scores(delays, counts)
     if len(scores) < 3:  # nothing to compare with: keep the decision
         return dict(slow)
     typical = float(np.median(list(scores.values())))
-    round_seconds = max(float(np.median(seconds)) / max(window, 1), 1e-6)
+    per_round = max(float(np.median(round_seconds)), 1e-6)
 
     def is_slow(rank: int, ratio: float, floor: float) -> bool:
         return scores[rank] > max(floor, ratio * typical)
@@ -81,7 +82,7 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, seconds: np.ndarray, win
         chosen[newcomers[0]] = 0
     for rank in chosen:
         if rank in worst:  # one model in the time its link takes to carry one, measured
-            chosen[rank] = min(max(math.ceil(worst[rank] / round_seconds) + 1, 2), MAX_PERIOD)
+            chosen[rank] = min(max(math.ceil(worst[rank] / per_round) + 1, 2), MAX_PERIOD)
     return chosen
 
 
@@ -97,6 +98,7 @@ class SlowLinkRouting:
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
         self._window_started: float | None = None
+        self._rounds = 0  # rounds begun in this window
 
     @property
     def active(self) -> bool:
@@ -118,6 +120,7 @@ class SlowLinkRouting:
               ) -> tuple[list[int], list[int], list[int]]:
         """This rank's round: (the out-peers it sends to, the in-peers it waits for, the in-peers
         whose messages it absorbs when they arrive)."""
+        self._rounds += 1
         me = self.rank
         sends = [peer for peer in out_peers if self.carries(me, peer, rnd)]
         waits = [src for src in in_peers if self.period(src, me) == 0]
@@ -130,18 +133,18 @@ class SlowLinkRouting:
         self._counts[src, self.rank] += 1
 
     def due(self, rnd: int, now: float) -> bool:
-        """Whether round ``rnd`` starts with a decision (every ``window`` rounds)."""
+        """Whether round ``rnd`` starts with a decision: at rounds 8 and 16, then every ``window``."""
         if self._window_started is None:
             self._window_started = now
-        return rnd > 0 and rnd % self.window == 0
+        return rnd in FIRST_DECISIONS or (rnd > 0 and rnd % self.window == 0)
 
     def measurements(self, now: float) -> np.ndarray:
-        """This rank's part of the window's sum: delays, counts, and its window's seconds."""
+        """This rank's part of the window's sum: delays, counts, and its seconds per round."""
         n = self.size
         vector = np.zeros(2 * n * n + n)
         vector[:n * n] = self._delays.reshape(-1)
         vector[n * n:2 * n * n] = self._counts.reshape(-1)
-        vector[2 * n * n + self.rank] = now - (self._window_started or now)
+        vector[2 * n * n + self.rank] = (now - (self._window_started or now)) / max(self._rounds, 1)
         return vector
 
     def decide(self, summed: np.ndarray, rnd: int, now: float) -> bool:
@@ -153,11 +156,12 @@ class SlowLinkRouting:
                              f"or not {(2 * n * n + n,)}")
         delays = summed[:n * n].reshape(n, n)
         counts = summed[n * n:2 * n * n].reshape(n, n)
-        chosen = choose_slow(delays, counts, summed[2 * n * n:], self.window, self.slow)
+        chosen = choose_slow(delays, counts, summed[2 * n * n:], self.slow)
         self.scores = rank_scores(delays, counts)[0]
         self._delays[:] = 0
         self._counts[:] = 0
         self._window_started = now
+        self._rounds = 0
         if chosen == self.slow:
             return False
         self.slow = chosen
