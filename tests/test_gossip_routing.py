@@ -8,7 +8,13 @@ import pytest
 
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.gossip.graphs import make_graph
-from bps_gossip.gossip.routing import MAX_OWED, MAX_PERIOD, SlowLinkRouting, choose_slow
+from bps_gossip.gossip.routing import (
+    MAX_OWED,
+    MAX_PERIOD,
+    MIN_MESSAGES,
+    SlowLinkRouting,
+    choose_slow,
+)
 from tests.fakes import FakeNetwork, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,3 +147,21 @@ def test_routing_can_be_turned_off_and_is_off_for_two_ranks():
     assert GossipAverager({"w": np.zeros(2)}, link=FakeNetwork(2).link(0)).routing is None
     with pytest.raises(ValueError, match="route_slow_links"):
         GossipAverager({"w": np.zeros(2)}, link=network.link(0), route_slow_links="yes")
+
+
+def test_a_slow_rank_with_too_few_messages_is_kept_and_its_measurements_go_on():
+    """Thinned edges carry few messages a window: a slow rank is judged only once MIN_MESSAGES
+    came each way, and until then its edges' measurements add up across windows."""
+    routing = SlowLinkRouting(4, 0)
+    routing.slow = {2: 8}
+    routing.record(2, 0.3)  # one message from the slow rank
+    routing.record(1, 0.001)
+    delays, counts = measured(4, {})
+    delays[2, :] = counts[2, :] = 0
+    delays[2, 0], counts[2, 0] = 0.3, 1
+    n = 4
+    summed = np.concatenate([delays.reshape(-1), counts.reshape(-1), np.full(n, 0.01)])
+    assert not routing.decide(summed, 32, 1.0)  # kept as it was
+    assert routing.slow == {2: 8} and 2 not in routing.scores
+    assert routing._counts[2, 0] == 1 and routing._counts[1, 0] == 0  # carried; the rest starts again
+    assert MIN_MESSAGES > 1

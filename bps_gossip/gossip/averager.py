@@ -193,6 +193,18 @@ class GossipAverager:
                 self._take_x()
             log.info("gossip %r at round %d: %s", self.tag, self.rnd, routing.describe())
 
+    def route_around(self, slow: Mapping[int, int]) -> None:
+        """Start routing around ``slow`` (rank -> period) from the first round, as an earlier
+        averager of the same job decided (collective: every rank passes the same, before any
+        round)."""
+        if self.routing is None or self.rnd or self.open:
+            raise ValueError("gossip: route_around() needs routing on and no round run yet")
+        if slow:
+            self.routing.slow = dict(slow)
+            self.routing.active_since = 0
+            self.routing.history.append((0, dict(slow)))
+            self._take_x()
+
     def _take_x(self) -> None:
         """Routing began: push-sum's weights travel from now on (every rank switches at the same
         round, while w is 1 everywhere) and x stops being the caller's memory."""

@@ -33,17 +33,18 @@ MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this 
 MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
 ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
 ENTER_FLOOR, LEAVE_FLOOR = 0.02, 0.01  # seconds of mean delay below which a rank is never slow
+MIN_MESSAGES = 3  # measured each way before a rank is judged (a slow rank's are gathered across windows)
 
 
 def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
-    """Per rank measured both ways: (its score, the mean delay of its slowest edge), in seconds
-    (see :func:`choose_slow`)."""
+    """Per rank with MIN_MESSAGES measured each way: (its score, the mean delay of its slowest
+    edge), in seconds (see :func:`choose_slow`)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.where(counts > 0, delays / np.maximum(counts, 1), np.nan)
     scores, worst = {}, {}
     for rank in range(len(mean)):
         sides = [side[~np.isnan(side)] for side in (mean[rank, :], mean[:, rank])]
-        if all(side.size for side in sides):
+        if min(counts[rank, :].sum(), counts[:, rank].sum()) >= MIN_MESSAGES:
             scores[rank] = max(float(side.mean()) for side in sides)
             worst[rank] = max(float(side.max()) for side in sides)
     return scores, worst
@@ -59,7 +60,8 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
     window; ``slow``: the current decision.
 
     A rank's score is the larger of the mean delays of its out-edges and of its in-edges (a
-    slow worker is late for everyone it sends to; a slow link is late both ways). While a slow
+    slow worker is late for everyone it sends to; a slow link is late both ways), once
+    MIN_MESSAGES were measured each way (a slow rank not judged stays as it is). While a slow
     rank holds the others up, they are late for each other too, so at most one rank becomes
     slow per window (the worst): once nobody waits for it, the next window shows whether
     another one is slow.
@@ -158,8 +160,12 @@ class SlowLinkRouting:
         counts = summed[n * n:2 * n * n].reshape(n, n)
         chosen = choose_slow(delays, counts, summed[2 * n * n:], self.slow)
         self.scores = rank_scores(delays, counts)[0]
-        self._delays[:] = 0
-        self._counts[:] = 0
+        # A slow rank not judged (too few of its thinned edges' messages): its measurements go on.
+        carried = [rank for rank in chosen if rank not in self.scores]
+        keep = np.zeros((n, n), dtype=bool)
+        keep[carried, :] = keep[:, carried] = True
+        self._delays[~keep] = 0
+        self._counts[~keep] = 0
         self._window_started = now
         self._rounds = 0
         if chosen == self.slow:

@@ -141,7 +141,7 @@ class AutoMode(TrainerMode):
             self._average_optimizer_states()
         else:  # from allreduce: the models are equal
             mx.nd.waitall()
-        self.modes["gossip"].reset_world()  # push-sum starts again from the equal models
+        self.modes["gossip"].restart()  # push-sum starts again from the equal models
         self._use(decision.mode, decision.why, step)
 
     def _average_optimizer_states(self) -> None:

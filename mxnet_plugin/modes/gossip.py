@@ -61,6 +61,11 @@ class GossipMode(TrainerMode):
         """Build the graph for the new size and restart push-sum from weight 1 on the synced parameters."""
         self.gossip.reset_world()
 
+    def restart(self) -> None:
+        """Push-sum starts again from weight 1 on equal parameters (the same job: the ranks keep
+        routing around the slow ones they found)."""
+        self.gossip.reset_world(keep_routing=True)
+
     def flush(self) -> None:
         """Absorb in-flight gossip rounds (overlap) and write the model back."""
         self.gossip.flush()

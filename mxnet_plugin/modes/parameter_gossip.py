@@ -82,6 +82,7 @@ class ParameterGossip:
         self.small_layout: Layout = {}  # mixed as flat copies (direct)
         self.written: dict[str, np.ndarray] | None = None  # what the last unpack() wrote (z)
         self.views = IdleViews()  # of every parameter copy, read and written every step
+        self.slow_ranks: dict[int, int] = {}  # what the next averager starts routing around (reset_world)
         _live.add(self)
 
     def _host_groups(self) -> list[tuple[int, ...]] | None:
@@ -113,10 +114,12 @@ class ParameterGossip:
         owned = self.averager is not None and self.averager.owns_x
         x = self._copy_out(self.small_layout, None if owned or self.averager is None else self.averager.x)
         x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
-        if self.averager is None:  # after the first-step broadcast: every rank starts equal
-            self.averager = self._new_averager(x, start_equal=True)
-        if owned:
-            self.averager.apply_update(self.written, x)
+        fresh = self.averager is None
+        if fresh:  # after the first-step broadcast: every rank starts equal
+            self.averager = self._new_averager(x, start_equal=True)  # its x: copies of x
+        if self.averager.owns_x:
+            if not fresh:
+                self.averager.apply_update(self.written, x)
         else:
             self.averager.use_buffers(x)
         self.averager.step()
@@ -153,9 +156,16 @@ class ParameterGossip:
             self.large = [(str(index), param) for index, (param, size) in enumerate(floats) if size >= IN_PLACE_ELEMENTS]
             self.small_layout = _flat_layout([(param, size) for param, size in floats if size < IN_PLACE_ELEMENTS])
 
-    def reset_world(self) -> None:
+    def reset_world(self, keep_routing: bool = False) -> None:
         """Elastic: drop the averager (its rounds died with the old generation); the next step
-        starts a new one on the synced parameters, with the graph built for the new size."""
+        starts a new one on the synced parameters, with the graph built for the new size.
+        ``keep_routing``: the same workers go on (mode='auto'): the new averager routes around
+        the ranks this one found slow from its first round."""
+        routing = getattr(self.averager, "routing", None)
+        if not keep_routing:
+            self.slow_ranks = {}
+        elif routing is not None:  # (else no round ran since the last restart: what it knew still holds)
+            self.slow_ranks = dict(routing.slow)
         if not isinstance(self.graph_spec, str) and self.graph_spec.world_size != core.size():
             raise ValueError(f"gossip: the explicit graph is for {self.graph_spec.world_size} workers and cannot "
                              f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
@@ -251,7 +261,10 @@ class ParameterGossip:
             log.info("gossip by host: %d hosts of %d workers, exact within a host, one message per host pair "
                      "(BPS_GOSSIP_HOST_REDUCE=off: flat)", len(self.groups), len(self.groups[0]))
             return HostAverager(buffers, self.groups, tag=self.tag, **args)
-        return GossipAverager(buffers, tag=self.tag, **self.averager_args)
+        averager = GossipAverager(buffers, tag=self.tag, **self.averager_args)
+        if self.slow_ranks and start_equal:
+            averager.route_around(self.slow_ranks)
+        return averager
 
     def flush(self) -> None:
         """Absorb every open gossip round (and deferred messages that arrived) and write z back."""
