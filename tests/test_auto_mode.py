@@ -27,6 +27,14 @@ def test_each_mode_is_measured_first_then_the_faster_runs():
     assert feed(policy, "allreduce", 0.060).mode == "allreduce"  # the network changed: allreduce is faster now
 
 
+def test_a_window_that_measures_the_mode_not_chosen_is_half_as_long():
+    assert [AutoPolicy.probe_steps(w) for w in (1, 2, 3, 4, 10, 11)] == [1, 2, 3, 3, 5, 5]
+    policy = AutoPolicy(reprobe_windows=2)
+    assert feed(policy, "allreduce", 0.1).probe  # gossip, not measured yet
+    assert [feed(policy, "gossip", 0.03).probe for _ in range(2)] == [False, True]  # then allreduce again
+    assert not feed(policy, "allreduce", 0.1).probe
+
+
 def test_gossip_must_beat_allreduce_by_the_margin():
     policy = AutoPolicy(margin=0.9)
     feed(policy, "allreduce", 0.100)
@@ -117,13 +125,13 @@ trainer._mode.policy = Alternate()
 @pytest.mark.timeout(240)
 def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
     """mobilenet0.25 imperative (the other test hybridizes it)."""
-    job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
+    job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "6", "BYTEPS_LOG_LEVEL": "INFO"})
     done = job.run_workers(TRAIN % {"policy": "", "steps": 16, "hybridize": False}, timeout=220)
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
     assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "allreduce"), (3, "gossip")]
-    assert [step for step, _, _ in histories[0]] == [0, 3, 6, 9, 12, 15], histories[0]  # a decision a window
+    assert [step for step, _, _ in histories[0]] == [0, 3, 6, 12], histories[0]  # two probes of 3 steps, then 6
     assert "ms a step" in histories[0][2][2]
     assert "mode='auto' at step 3: gossip (measuring gossip (not measured yet))" in job.dump()
 

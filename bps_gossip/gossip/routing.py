@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 WINDOW = 32  # rounds between two decisions
-FIRST_DECISIONS = (8, 16)  # and before that: a slow rank costs every round until the first one
+FIRST_DECISIONS = (4, 8, 16)  # and before that: a slow rank costs every round until the first one
 MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this many rounds
 MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
 ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
@@ -135,7 +135,7 @@ class SlowLinkRouting:
         self._counts[src, self.rank] += 1
 
     def due(self, rnd: int, now: float) -> bool:
-        """Whether round ``rnd`` starts with a decision: at rounds 8 and 16, then every ``window``."""
+        """Whether round ``rnd`` starts with a decision: at rounds 4, 8 and 16, then every ``window``."""
         if self._window_started is None:
             self._window_started = now
         return rnd in FIRST_DECISIONS or (rnd > 0 and rnd % self.window == 0)

@@ -1,7 +1,7 @@
 """DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
 
-The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps the
-ranks average what they measured (seconds per step) with one push_pull and
+The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps (half
+as many in a window that measures a mode not chosen) the ranks average what they measured (seconds per step) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
@@ -67,15 +67,17 @@ class AutoMode(TrainerMode):
         self.history: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_HISTORY)
         self.steps = 0  # steps begun
         self.window_start: float | None = None  # the clock at the window's second step
+        self.window_begin, self.window_steps = 0, self.window  # the window's first step and length
         self.active: TrainerMode = self.modes[AutoPolicy.first()]
-        self._use(self.active.name, "the first window", step=0)
+        self._use(self.active.name, "the first window", step=0, probe=True)
 
     @property
     def overlap_backward(self) -> bool:  # type: ignore[override]
         """Whether the running mode pushes gradients inside MXNet's engine."""
         return self.active.overlap_backward
 
-    def _use(self, mode: str, why: str, step: int) -> None:
+    def _use(self, mode: str, why: str, step: int, probe: bool = False) -> None:
+        self._begin_window(step, probe)
         self.active = self.modes[mode]
         self.trainer._scale = self.unscaled / core.size() if mode == "allreduce" else self.unscaled
         self.history.append((step, mode, why))
@@ -85,9 +87,9 @@ class AutoMode(TrainerMode):
     def before_step(self, batch_size: int) -> None:
         """Count the step; at a window's end, measure, decide together and switch."""
         now = time.perf_counter()
-        if self.steps and self.steps % self.window == 0 and self.window_start is not None:
+        if self.steps == self.window_begin + self.window_steps and self.window_start is not None:
             self._end_window(now)
-        if self.steps % self.window == 1 or self.window == 1:
+        if self.steps == self.window_begin + 1 or self.window_steps == 1:
             self.window_start = now  # from the window's second step: the first pays for a switch
         self.steps += 1
         self.active.before_step(batch_size)
@@ -108,7 +110,8 @@ class AutoMode(TrainerMode):
             mode.reset_world()
         self.policy.reset()
         self.steps, self.window_start = 0, None
-        self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0)
+        self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0,
+                  probe=True)
 
     def flush(self) -> None:
         """The running mode's."""
@@ -123,15 +126,20 @@ class AutoMode(TrainerMode):
         return self.active.consensus_distance()
 
     # -- windows ----------------------------------------------------------------------------
+    def _begin_window(self, step: int, probe: bool) -> None:
+        self.window_begin = step
+        self.window_steps = AutoPolicy.probe_steps(self.window) if probe else self.window
+
     def _end_window(self, now: float) -> None:
         assert self.window_start is not None
-        measured = np.array([(now - self.window_start) / max(1, self.window - 1)], np.float64)
+        measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1)], np.float64)
         mean = core.push_pull(measured, name="auto_mode_window", average=True)
         self._switch(self.policy.decide(Window(self.active.name, float(mean[0]))))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps
         if decision.mode == self.active.name:
+            self._begin_window(step, decision.probe)
             self.history.append((step, decision.mode, decision.why))
             log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
             return
@@ -142,7 +150,7 @@ class AutoMode(TrainerMode):
         else:  # from allreduce: the models are equal
             mx.nd.waitall()
         self.modes["gossip"].restart()  # push-sum starts again from the equal models
-        self._use(decision.mode, decision.why, step)
+        self._use(decision.mode, decision.why, step, decision.probe)
 
     def _average_optimizer_states(self) -> None:
         """Make every optimizer state (momentum, ...) its exact average over ranks (collective)."""

@@ -9,6 +9,8 @@ is deterministic, given what it is fed) and switches at the same step.
 The rule:
 
 - A mode not measured yet is measured first: allreduce for one window, then gossip for one.
+  A window that measures (a *probe*) is half as long as the others (3 steps at least): the
+  mode it measures may be the slow one.
 - Then the faster one per step runs, where gossip counts as faster only below
   ``GOSSIP_MARGIN`` of allreduce's time: a gossip step moves the average model less surely than
   an exact one. Measured on emulated hosts (docs/netns.md, the digits MLP, 4 workers), gossip
@@ -27,6 +29,7 @@ import math
 MODES = ("allreduce", "gossip")
 GOSSIP_MARGIN = 0.6  # gossip runs when its step takes less than this fraction of allreduce's
 REPROBE_WINDOWS = 20  # windows in the chosen mode before the other one is measured again
+PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps at least): it may be the slow mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Decision:
 
     mode: str
     why: str
+    probe: bool = False  # a measurement of the mode not chosen: a short window (PROBE_FRACTION)
 
 
 class AutoPolicy:
@@ -60,8 +64,13 @@ class AutoPolicy:
 
     @staticmethod
     def first() -> str:
-        """The mode of the first window."""
+        """The mode of the first window (a probe)."""
         return MODES[0]
+
+    @staticmethod
+    def probe_steps(window: int) -> int:
+        """The steps of a probe's window when windows are ``window`` steps."""
+        return max(3, int(window * PROBE_FRACTION)) if window >= 3 else window
 
     def reset(self) -> None:
         """Forget the costs (the job's size changed: every cost with it)."""
@@ -77,13 +86,13 @@ class AutoPolicy:
         self.cost[window.mode] = window.seconds_per_step
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
-            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)")
+            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=True)
         best = self._best()
         self.since_probe += window.mode == best
         if window.mode == best and self.since_probe >= self.reprobe_windows:
             other = MODES[1 - MODES.index(best)]
             self.since_probe = 0
-            return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})")
+            return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})", probe=True)
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
                f"allreduce's {allreduce * 1000:.1f} ms")
