@@ -229,7 +229,7 @@ class GossipAverager:
     def _absorb(self, pending: PendingRound, tracer: Any = None) -> None:
         with self._span(tracer, "MIX"):
             self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
-        if self.routing is not None:
+        if self.routing is not None and pending.rnd > 0:  # round 0 also opens the connections
             for src, delay in pending.delays.items():
                 self.routing.record(src, delay)
 

@@ -1,7 +1,7 @@
 """DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
 
 The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps (half
-as many in a window that measures a mode not chosen) the ranks average what they measured (seconds per step) with one push_pull and
+as many in a window that measures allreduce) the ranks average what they measured (seconds per step) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest

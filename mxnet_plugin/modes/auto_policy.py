@@ -9,8 +9,9 @@ is deterministic, given what it is fed) and switches at the same step.
 The rule:
 
 - A mode not measured yet is measured first: allreduce for one window, then gossip for one.
-  A window that measures (a *probe*) is half as long as the others (3 steps at least): the
-  mode it measures may be the slow one.
+  A window that measures allreduce (a *probe*) is half as long as the others (3 steps at
+  least): it may be the slow mode. Gossip's are whole windows: its first rounds find the slow
+  ranks it routes around from then on (:mod:`bps_gossip.gossip.routing`).
 - Then the faster one per step runs, where gossip counts as faster only below
   ``GOSSIP_MARGIN`` of allreduce's time: a gossip step moves the average model less surely than
   an exact one. Measured on emulated hosts (docs/netns.md, the digits MLP, 4 workers), gossip
@@ -46,7 +47,7 @@ class Decision:
 
     mode: str
     why: str
-    probe: bool = False  # a measurement of the mode not chosen: a short window (PROBE_FRACTION)
+    probe: bool = False  # a short window (PROBE_FRACTION) that measures allreduce
 
 
 class AutoPolicy:
@@ -68,6 +69,12 @@ class AutoPolicy:
         return MODES[0]
 
     @staticmethod
+    def short(mode: str) -> bool:
+        """Whether a window that measures ``mode`` is a short one: allreduce's is (it may be the slow
+        mode); gossip's is not (its first rounds find the slow ranks it then routes around)."""
+        return mode == "allreduce"
+
+    @staticmethod
     def probe_steps(window: int) -> int:
         """The steps of a probe's window when windows are ``window`` steps."""
         return max(3, int(window * PROBE_FRACTION)) if window >= 3 else window
@@ -86,13 +93,14 @@ class AutoPolicy:
         self.cost[window.mode] = window.seconds_per_step
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
-            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=True)
+            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=self.short(missing[0]))
         best = self._best()
         self.since_probe += window.mode == best
         if window.mode == best and self.since_probe >= self.reprobe_windows:
             other = MODES[1 - MODES.index(best)]
             self.since_probe = 0
-            return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})", probe=True)
+            return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})",
+                            probe=self.short(other))
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
                f"allreduce's {allreduce * 1000:.1f} ms")
