@@ -45,7 +45,7 @@ def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float
     for rank in range(len(mean)):
         sides = [side[~np.isnan(side)] for side in (mean[rank, :], mean[:, rank])]
         if min(counts[rank, :].sum(), counts[:, rank].sum()) >= MIN_MESSAGES:
-            scores[rank] = max(float(side.mean()) for side in sides)
+            scores[rank] = max(float(side.min()) for side in sides)
             worst[rank] = max(float(side.max()) for side in sides)
     return scores, worst
 
@@ -59,9 +59,11 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
     measured on edge a -> b (by b); ``round_seconds[r]``: rank r's seconds per round in the
     window; ``slow``: the current decision.
 
-    A rank's score is the larger of the mean delays of its out-edges and of its in-edges (a
-    slow worker is late for everyone it sends to; a slow link is late both ways), once
-    MIN_MESSAGES were measured each way (a slow rank not judged stays as it is). While a slow
+    A rank's score is the delay of its fastest out-edge or of its fastest in-edge, whichever is
+    larger (each edge's mean over the window), once MIN_MESSAGES were measured each way (a
+    slow rank not judged stays as it is): a slow worker is late for everyone it sends to, a
+    slow link is late both ways, while a rank the slow one holds up is late only in the rounds
+    it waited for it, so one of its edges each way stays fast. While a slow
     rank holds the others up, they are late for each other too, so at most one rank becomes
     slow per window (the worst): once nobody waits for it, the next window shows whether
     another one is slow.
