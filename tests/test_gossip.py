@@ -31,7 +31,9 @@ def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers
                 for push_sum in ((True, False) if not overlap else (True,)):
                     tag = f"{{graph}}-{{overlap}}-{{push_sum}}"
                     try:
-                        avg = GossipAverager({{"w": w0}}, graph=graph, overlap=overlap, push_sum=push_sum, tag=tag)
+                        # routing off: z's mean is exact only while every w comes back to 1
+                        avg = GossipAverager({{"w": w0}}, graph=graph, overlap=overlap, push_sum=push_sum, tag=tag,
+                                             route_slow_links=False)
                     except ValueError as exc:   # push-pull needs a regular graph
                         out[tag] = str(exc)
                         continue

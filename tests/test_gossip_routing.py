@@ -122,12 +122,14 @@ def test_push_sum_routes_around_a_slow_rank_and_stays_exact():
         for _ in range(160):
             avg.step()
             assert sum(1 for pending in avg.owed if pending.sources == [slow]) <= MAX_OWED + 1
+        owned = avg.owns_x
         avg.drain()
-        return avg.routing.history
+        return avg.routing.history, owned
 
-    histories = run_ranks(n, body, timeout=100)
+    results = run_ranks(n, body, timeout=100)
+    histories = [history for history, _ in results]
     assert all(history == histories[0] for history in histories)  # one decision, taken together
-    assert histories[0] and slow in histories[0][0][1]
+    assert histories[0] and slow in histories[0][0][1] and all(owned for _, owned in results)
     for timer in network.timers:
         timer.join(5)
     for avg in averagers:  # whatever was still on the way to a rank that had finished
@@ -139,6 +141,36 @@ def test_push_sum_routes_around_a_slow_rank_and_stays_exact():
     run_ranks(n, lambda rank: averagers[rank].average_exactly())
     for avg in averagers:
         np.testing.assert_allclose(avg.model()["w"], sum(x0) / n, rtol=1e-9)
+
+
+def test_when_the_slow_link_recovers_routing_ends_with_every_weight_one():
+    """The slow rank's link recovers: the ranks agree it is fast again, average exactly once
+    (every weight 1, nothing in flight) and stop sending weights: x may be the model's memory."""
+    n = 4
+    network = FakeNetwork(n, slow={2: 0.04})
+    rng = np.random.RandomState(1)
+    x0 = [rng.randn(5) for _ in range(n)]
+    averagers = [GossipAverager({"w": x0[r]}, graph="npdde", tag="e", link=network.link(r)) for r in range(n)]
+
+    def body(rank):
+        avg = averagers[rank]
+        for _ in range(40):
+            avg.step()
+        assert avg.owns_x
+        network.slow = {}  # every rank sees it by its next message at the latest
+        for _ in range(400):
+            avg.step()
+            if not avg.routing.slow:
+                break
+        return avg.routing.history, avg.rnd
+
+    results = run_ranks(n, body, timeout=100)
+    assert len({rnd for _, rnd in results}) == 1 and all(h == results[0][0] for h, _ in results)
+    assert results[0][0][-1][1] == {}, results[0][0]
+    for avg in averagers:
+        assert not avg.owns_x and avg.weight == 1.0 and not avg.owed and not avg.gossiper.track_weight
+    np.testing.assert_allclose(sum(avg.x["w"] for avg in averagers), sum(x0), rtol=1e-9)
+    averagers[0].use_buffers({"w": averagers[0].x["w"].copy()})  # allowed again
 
 
 def test_routing_can_be_turned_off_and_is_off_for_two_ranks():

@@ -46,8 +46,9 @@ def test_trainer_mean_follows_sgd_and_average_parameters(cluster, overlap):
         rank = bps.rank()
         net = mx.gluon.nn.Dense(4, in_units=3, use_bias=True)
         net.initialize(mx.init.Constant(0.5))
+        # routing off: the mean of the ranks' z is SGD's only while every w is 1
         trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {{"learning_rate": 0.1}},
-                                         graph="ring", overlap={overlap})
+                                         graph="ring", overlap={overlap}, route_slow_links=False)
         assert trainer.mode == "gossip"
         # constant per-rank gradients: d(sum(W x + b))/dW = x, with x fixed per rank
         x = mx.nd.full((1, 3), rank + 1.0)
@@ -200,7 +201,7 @@ STRAGGLER = """
     def train(steps):
         for step in range(steps):
             if rank == SLOW:
-                time.sleep(0.08)  # a straggler: everybody would wait for it every round
+                time.sleep(0.15)  # a straggler: everybody would wait for it every round
             with mx.autograd.record():
                 loss = {loss}
             loss.backward()
@@ -226,7 +227,7 @@ STRAGGLER = """
 
 @pytest.mark.timeout(240)
 def test_a_straggler_is_routed_around_and_the_average_stays_exact(cluster):
-    """Issue 24: rank 2 is 80 ms late every step. The ranks agree it is slow (the same decision
+    """Issue 24: rank 2 is 150 ms late every step. The ranks agree it is slow (the same decision
     on every rank), stop waiting for it, and push-sum stays exact: with constant gradients the
     exact average after training is SGD's on the mean gradient. The large weight was mixed in
     its own memory until routing began, in the averager's after. A restart (mode='auto''s

@@ -69,12 +69,13 @@ class GossipAverager:
         self.owed: collections.deque[PendingRound] = collections.deque()  # deferred receipts (routing)
         self.routing: SlowLinkRouting | None = None
         self.borrowed = False  # x is the caller's memory (use_buffers)
+        self.took_x = False  # routing took x back from the caller's memory (weights travel meanwhile)
 
     @property
     def owns_x(self) -> bool:
-        """False while x may be the caller's memory (:meth:`use_buffers`); True for good once
-        routing around a slow link began (z = x / w from then on)."""
-        return self.routing is not None and self.routing.active_since is not None
+        """False while x may be the caller's memory (:meth:`use_buffers`); True while routing
+        around a slow rank (z = x / w: the weights travel), until no rank is slow any more."""
+        return self.took_x
 
     @staticmethod
     def model_is_x(graph: Graph, push_sum: bool, overlap: bool) -> bool:
@@ -189,9 +190,11 @@ class GossipAverager:
             return
         summed = self.link.push_pull(routing.measurements(time.monotonic()), f"{self.tag}.route", average=False)
         if routing.decide(np.asarray(summed, dtype=np.float64), self.rnd, time.monotonic()):
-            if routing.active_since is not None and not self.gossiper.track_weight:
-                self._take_x()
             log.info("gossip %r at round %d: %s", self.tag, self.rnd, routing.describe())
+            if routing.slow and not self.gossiper.track_weight:
+                self._take_x()
+            elif not routing.slow and self.took_x:
+                self._give_back_x()
 
     def route_around(self, slow: Mapping[int, int]) -> None:
         """Start routing around ``slow`` (rank -> period) from the first round, as an earlier
@@ -201,7 +204,6 @@ class GossipAverager:
             raise ValueError("gossip: route_around() needs routing on and no round run yet")
         if slow:
             self.routing.slow = dict(slow)
-            self.routing.active_since = 0
             self.routing.history.append((0, dict(slow)))
             self._take_x()
 
@@ -212,6 +214,15 @@ class GossipAverager:
             self.x = {key: value.copy() for key, value in self.x.items()}
             self.borrowed = False
         self.gossiper.track_weight = True
+        self.took_x = True
+
+    def _give_back_x(self) -> None:
+        """No rank is slow any more (every rank at the same round): the exact average makes w 1
+        everywhere with nothing in flight, so the weights stop travelling and x may be the
+        caller's memory again (one push_pull of the model)."""
+        self.average_exactly()
+        self.gossiper.track_weight = False
+        self.took_x = False
 
     def _absorb_owed(self, tracer: Any = None, everything: bool = False) -> None:
         """Absorb deferred messages: those that arrived, in order; the oldest of a source that

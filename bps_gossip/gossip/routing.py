@@ -14,7 +14,8 @@ rank are then
   slow link carries one model in the time it takes, measured), so it never queues up. In the
   other rounds the sender keeps that share: the graph varies in time, the sums stay exact.
 
-Push-sum's weights are tracked from the first decision that finds a slow rank on.
+Push-sum's weights travel from the decision that finds a slow rank until the one that finds
+none (then one exact average makes every weight 1 again).
 A rank stops being slow when its edges are fast again (a lower threshold than the one that
 made it slow, so the decision does not flap). At most (n - 1) // 2 ranks are slow: when
 more are, they are the norm.
@@ -32,7 +33,7 @@ FIRST_DECISIONS = (4, 8, 16)  # and before that: a slow rank costs every round u
 MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this many rounds
 MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
 ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
-ENTER_FLOOR, LEAVE_FLOOR = 0.02, 0.01  # seconds of mean delay below which a rank is never slow
+ENTER_FLOOR, LEAVE_FLOOR = 0.05, 0.02  # seconds of delay below which a rank is never slow (a busy machine's noise)
 MIN_MESSAGES = 3  # measured each way before a rank is judged (a slow rank's are gathered across windows)
 
 
@@ -96,7 +97,6 @@ class SlowLinkRouting:
     def __init__(self, size: int, rank: int, window: int = WINDOW) -> None:
         self.size, self.rank, self.window = size, rank, window
         self.slow: dict[int, int] = {}  # slow rank -> period
-        self.active_since: int | None = None  # the first round with a slow rank (weights tracked from then)
         self.history: list[tuple[int, dict[int, int]]] = []  # (round, decision) at every change
         self.scores: dict[int, float] = {}  # the last window's, by rank (seconds)
         self._delays = np.zeros((size, size))
@@ -173,8 +173,6 @@ class SlowLinkRouting:
         if chosen == self.slow:
             return False
         self.slow = chosen
-        if chosen and self.active_since is None:
-            self.active_since = rnd
         self.history.append((rnd, dict(chosen)))
         return True
 

@@ -123,7 +123,7 @@ class ParameterGossip:
         else:
             self.averager.use_buffers(x)
         self.averager.step()
-        if self.averager.owns_x:  # also when routing began in this step: x is the averager's now
+        if not self.averager.borrowed:  # routing owns x (or took it, or gave it back, in this step)
             self._write_model(self.averager.model())
             return
         self._copy_in(self.small_layout, x)
