@@ -107,15 +107,21 @@ def test_bad_measurements_are_refused():
         routing.decide(bad, 32, 0.0)
 
 
+def slow_job(n: int, slow: int, seed: int) -> tuple[FakeNetwork, list[np.ndarray], list[GossipAverager]]:
+    """n ranks in process, every message to or from ``slow`` 40 ms late; random starting x."""
+    network = FakeNetwork(n, slow={slow: 0.04})
+    rng = np.random.RandomState(seed)
+    x0 = [rng.randn(6) for _ in range(n)]
+    return network, x0, [GossipAverager({"w": x0[r]}, graph="npdde", tag="r", link=network.link(r))
+                         for r in range(n)]
+
+
 def test_push_sum_routes_around_a_slow_rank_and_stays_exact():
     """Every message to or from rank 3 takes 40 ms: after the first window the ranks agree that
     it is slow; nobody waits for its edges; the mass (held plus in flight) never changes and
     the exact average is still reached."""
     n, slow = 4, 3
-    network = FakeNetwork(n, slow={slow: 0.04})
-    rng = np.random.RandomState(0)
-    x0 = [rng.randn(6) for _ in range(n)]
-    averagers = [GossipAverager({"w": x0[r]}, graph="npdde", tag="r", link=network.link(r)) for r in range(n)]
+    network, x0, averagers = slow_job(n, slow, seed=0)
 
     def body(rank):
         avg = averagers[rank]
@@ -147,10 +153,7 @@ def test_when_the_slow_link_recovers_routing_ends_with_every_weight_one():
     """The slow rank's link recovers: the ranks agree it is fast again, average exactly once
     (every weight 1, nothing in flight) and stop sending weights: x may be the model's memory."""
     n = 4
-    network = FakeNetwork(n, slow={2: 0.04})
-    rng = np.random.RandomState(1)
-    x0 = [rng.randn(5) for _ in range(n)]
-    averagers = [GossipAverager({"w": x0[r]}, graph="npdde", tag="e", link=network.link(r)) for r in range(n)]
+    network, x0, averagers = slow_job(n, 2, seed=1)
 
     def body(rank):
         avg = averagers[rank]

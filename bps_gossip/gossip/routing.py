@@ -23,6 +23,7 @@ more are, they are the norm.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 
@@ -34,6 +35,7 @@ MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this 
 MAX_OWED = 3  # deferred messages of one source not yet absorbed before the receiver waits for the oldest
 ENTER_RATIO, LEAVE_RATIO = 1.5, 1.2  # a slow rank's edges are this much slower than the typical rank's
 ENTER_FLOOR, LEAVE_FLOOR = 0.05, 0.02  # seconds of delay below which a rank is never slow (a busy machine's noise)
+MAX_HISTORY = 1024  # decisions kept (the newest: a network that keeps changing must not fill memory)
 MIN_MESSAGES = 3  # measured each way before a rank is judged (a slow rank's are gathered across windows)
 
 
@@ -97,7 +99,7 @@ class SlowLinkRouting:
     def __init__(self, size: int, rank: int, window: int = WINDOW) -> None:
         self.size, self.rank, self.window = size, rank, window
         self.slow: dict[int, int] = {}  # slow rank -> period
-        self.history: list[tuple[int, dict[int, int]]] = []  # (round, decision) at every change
+        self.history: collections.deque[tuple[int, dict[int, int]]] = collections.deque(maxlen=MAX_HISTORY)
         self.scores: dict[int, float] = {}  # the last window's, by rank (seconds)
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
