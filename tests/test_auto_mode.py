@@ -16,7 +16,7 @@ def feed(policy: AutoPolicy, mode: str, seconds: float):
 
 
 def test_each_mode_is_measured_first_then_the_faster_runs():
-    policy = AutoPolicy(margin=0.9, reprobe_windows=3)
+    policy = AutoPolicy(margin=0.9, reprobe_windows=3, probe_share=1.0)
     assert policy.first() == "allreduce"
     assert feed(policy, "allreduce", 0.100).mode == "gossip"  # not measured yet
     decision = feed(policy, "gossip", 0.080)
@@ -29,10 +29,22 @@ def test_each_mode_is_measured_first_then_the_faster_runs():
 
 def test_a_window_that_measures_allreduce_is_half_as_long():
     assert [AutoPolicy.probe_steps(w) for w in (1, 2, 3, 4, 10, 11)] == [1, 2, 3, 3, 5, 5]
-    policy = AutoPolicy(reprobe_windows=2)
+    policy = AutoPolicy(reprobe_windows=2, probe_share=1.0)
     assert not feed(policy, "allreduce", 0.1).probe  # gossip, not measured yet: a whole window (routing settles)
     assert [feed(policy, "gossip", 0.03).probe for _ in range(2)] == [False, True]  # then allreduce again: short
     assert not feed(policy, "allreduce", 0.1).probe
+
+
+def test_the_other_mode_is_measured_again_for_at_most_a_twentieth_of_the_time():
+    policy = AutoPolicy(reprobe_windows=2, window=10)  # allreduce's probe: 5 steps at 0.4 s = 2 s
+    feed(policy, "allreduce", 0.4)
+    decisions = [feed(policy, "gossip", 0.02) for _ in range(250)]  # a window: 10 x 0.02 s = 0.2 s
+    probes = [index for index, decision in enumerate(decisions) if decision.mode == "allreduce"]
+    assert probes[0] == 199 and "measuring allreduce again" in decisions[199].why  # 40 s of gossip = 20 x 2 s
+    policy = AutoPolicy(reprobe_windows=20, window=10)
+    feed(policy, "allreduce", 0.1)
+    decisions = [feed(policy, "gossip", 0.05) for _ in range(20)]  # cheap to measure: every 20 windows
+    assert [d.mode for d in decisions].index("allreduce") == 19
 
 
 def test_gossip_must_beat_allreduce_by_the_margin():

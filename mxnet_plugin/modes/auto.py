@@ -63,7 +63,7 @@ class AutoMode(TrainerMode):
         self.unscaled = trainer._scale
         self.modes: dict[str, TrainerMode] = {"gossip": GossipMode(trainer, setup),
                                               "allreduce": AllreduceMode(trainer, setup)}
-        self.policy = AutoPolicy()
+        self.policy = AutoPolicy(window=self.window)
         self.history: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_HISTORY)
         self.steps = 0  # steps begun
         self.window_start: float | None = None  # the clock at the window's second step

@@ -18,8 +18,11 @@ The rule:
   needed 1.75x allreduce's steps to reach allreduce's final accuracy; its step took 0.30x
   allreduce's with the server's link the bottleneck (time to accuracy 0.53x), 0.54x on fast links
   (0.95x) and 0.71x with one slow link (1.22x): below 0.6 gossip wins, above it allreduce.
-- Every ``REPROBE_WINDOWS`` windows the mode not running gets one window again: the network,
-  and with it what each mode costs, changes while a job runs.
+- The mode not running is measured again (the network, and with it what each mode costs,
+  changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
+  in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
+  measured price: on a slow link one allreduce step may cost twenty gossip steps, and
+  measuring it every 20 windows would double the time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import math
 MODES = ("allreduce", "gossip")
 GOSSIP_MARGIN = 0.6  # gossip runs when its step takes less than this fraction of allreduce's
 REPROBE_WINDOWS = 20  # windows in the chosen mode before the other one is measured again
+PROBE_SHARE = 0.05  # of the time in the chosen mode, at most, spent measuring the other again
 PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps at least): it may be the slow mode
 
 
@@ -53,15 +57,20 @@ class Decision:
 class AutoPolicy:
     """The decision rule of the module docstring; one per trainer, fed every window in order."""
 
-    def __init__(self, margin: float = GOSSIP_MARGIN, reprobe_windows: int = REPROBE_WINDOWS) -> None:
+    def __init__(self, margin: float = GOSSIP_MARGIN, reprobe_windows: int = REPROBE_WINDOWS, window: int = 10,
+                 probe_share: float = PROBE_SHARE) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin={margin!r} must be in (0, 1]")
         if reprobe_windows < 1:
             raise ValueError(f"reprobe_windows={reprobe_windows!r} must be >= 1")
+        if window < 1 or not 0 < probe_share <= 1:
+            raise ValueError(f"window={window!r} must be >= 1 and probe_share={probe_share!r} in (0, 1]")
         self.margin = margin
         self.reprobe_windows = reprobe_windows
+        self.window, self.probe_share = window, probe_share
         self.cost: dict[str, float] = {}  # seconds per step, the last window of each mode
         self.since_probe = 0  # windows of the chosen mode since the other one ran
+        self.time_in_best = 0.0  # seconds in them
 
     @staticmethod
     def first() -> str:
@@ -82,7 +91,7 @@ class AutoPolicy:
     def reset(self) -> None:
         """Forget the costs (the job's size changed: every cost with it)."""
         self.cost.clear()
-        self.since_probe = 0
+        self.since_probe, self.time_in_best = 0, 0.0
 
     def decide(self, window: Window) -> Decision:
         """The mode of the next window, given the one that just ended."""
@@ -95,16 +104,24 @@ class AutoPolicy:
         if missing:
             return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=self.short(missing[0]))
         best = self._best()
-        self.since_probe += window.mode == best
-        if window.mode == best and self.since_probe >= self.reprobe_windows:
-            other = MODES[1 - MODES.index(best)]
-            self.since_probe = 0
+        other = MODES[1 - MODES.index(best)]
+        if window.mode == best:
+            self.since_probe += 1
+            self.time_in_best += window.seconds_per_step * self.window
+        if (window.mode == best and self.since_probe >= self.reprobe_windows
+                and self.time_in_best * self.probe_share >= self._probe_seconds(other)):
+            self.since_probe, self.time_in_best = 0, 0.0
             return Decision(other, f"measuring {other} again ({self.reprobe_windows} windows of {best})",
                             probe=self.short(other))
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
                f"allreduce's {allreduce * 1000:.1f} ms")
         return Decision(best, why)
+
+    def _probe_seconds(self, mode: str) -> float:
+        """What measuring ``mode`` again costs, at its last measured price."""
+        steps = self.probe_steps(self.window) if self.short(mode) else self.window
+        return steps * self.cost[mode]
 
     def _best(self) -> str:
         return "gossip" if self.cost["gossip"] < self.margin * self.cost["allreduce"] else "allreduce"
