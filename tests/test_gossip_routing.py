@@ -108,8 +108,9 @@ def test_bad_measurements_are_refused():
 
 
 def slow_job(n: int, slow: int, seed: int) -> tuple[FakeNetwork, list[np.ndarray], list[GossipAverager]]:
-    """n ranks in process, every message to or from ``slow`` 40 ms late; random starting x."""
-    network = FakeNetwork(n, slow={slow: 0.04})
+    """n ranks in process, every message to or from ``slow`` 100 ms late (twice
+    ENTER_FLOOR); random starting x."""
+    network = FakeNetwork(n, slow={slow: 0.1})
     rng = np.random.RandomState(seed)
     x0 = [rng.randn(6) for _ in range(n)]
     return network, x0, [GossipAverager({"w": x0[r]}, graph="npdde", tag="r", link=network.link(r))
@@ -117,7 +118,7 @@ def slow_job(n: int, slow: int, seed: int) -> tuple[FakeNetwork, list[np.ndarray
 
 
 def test_push_sum_routes_around_a_slow_rank_and_stays_exact():
-    """Every message to or from rank 3 takes 40 ms: after the first window the ranks agree that
+    """Every message to or from rank 3 takes 100 ms: after the first window the ranks agree that
     it is slow; nobody waits for its edges; the mass (held plus in flight) never changes and
     the exact average is still reached."""
     n, slow = 4, 3

@@ -106,11 +106,6 @@ class SlowLinkRouting:
         self._window_started: float | None = None
         self._rounds = 0  # rounds begun in this window
 
-    @property
-    def active(self) -> bool:
-        """True when some rank is slow now."""
-        return bool(self.slow)
-
     def period(self, src: int, dst: int) -> int:
         """Rounds between messages on edge src -> dst: 0 for an edge between two fast ranks."""
         return max(self.slow.get(src, 0), self.slow.get(dst, 0))
