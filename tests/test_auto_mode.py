@@ -17,31 +17,35 @@ def feed(policy: AutoPolicy, mode: str, seconds: float):
 
 def test_each_mode_is_measured_first_then_the_faster_runs():
     policy = AutoPolicy(margin=0.9, reprobe_windows=3, probe_share=1.0)
-    assert policy.first() == "allreduce"
-    assert feed(policy, "allreduce", 0.100).mode == "gossip"  # not measured yet
-    decision = feed(policy, "gossip", 0.080)
+    assert policy.first() == "gossip"
+    assert feed(policy, "gossip", 0.080).mode == "allreduce"  # not measured yet
+    decision = feed(policy, "allreduce", 0.100)
     assert decision.mode == "gossip" and decision.why == "gossip 80.0 ms a step < 0.9 x allreduce's 100.0 ms"
-    assert feed(policy, "gossip", 0.080).mode == "gossip"
-    probe = feed(policy, "gossip", 0.080)  # the third window of gossip since the probe
+    assert [feed(policy, "gossip", 0.080).mode for _ in range(2)] == ["gossip"] * 2
+    probe = feed(policy, "gossip", 0.080)  # the third window of gossip since allreduce ran
     assert probe.mode == "allreduce" and "measuring allreduce again" in probe.why
     assert feed(policy, "allreduce", 0.060).mode == "allreduce"  # the network changed: allreduce is faster now
 
 
 def test_a_window_that_measures_allreduce_is_half_as_long():
     assert [AutoPolicy.probe_steps(w) for w in (1, 2, 3, 4, 10, 11)] == [1, 2, 3, 3, 5, 5]
+    assert not AutoPolicy.short(AutoPolicy.first())  # gossip's first window is whole (routing settles)
     policy = AutoPolicy(reprobe_windows=2, probe_share=1.0)
-    assert not feed(policy, "allreduce", 0.1).probe  # gossip, not measured yet: a whole window (routing settles)
+    assert feed(policy, "gossip", 0.03).probe  # allreduce, not measured yet: short
+    assert not feed(policy, "allreduce", 0.1).probe
     assert [feed(policy, "gossip", 0.03).probe for _ in range(2)] == [False, True]  # then allreduce again: short
     assert not feed(policy, "allreduce", 0.1).probe
 
 
 def test_the_other_mode_is_measured_again_for_at_most_a_twentieth_of_the_time():
     policy = AutoPolicy(reprobe_windows=2, window=10)  # allreduce's probe: 5 steps at 0.4 s = 2 s
+    feed(policy, "gossip", 0.02)
     feed(policy, "allreduce", 0.4)
     decisions = [feed(policy, "gossip", 0.02) for _ in range(250)]  # a window: 10 x 0.02 s = 0.2 s
     probes = [index for index, decision in enumerate(decisions) if decision.mode == "allreduce"]
     assert probes[0] == 199 and "measuring allreduce again" in decisions[199].why  # 40 s of gossip = 20 x 2 s
     policy = AutoPolicy(reprobe_windows=20, window=10)
+    feed(policy, "gossip", 0.05)
     feed(policy, "allreduce", 0.1)
     decisions = [feed(policy, "gossip", 0.05) for _ in range(20)]  # cheap to measure: every 20 windows
     assert [d.mode for d in decisions].index("allreduce") == 19
@@ -49,13 +53,44 @@ def test_the_other_mode_is_measured_again_for_at_most_a_twentieth_of_the_time():
 
 def test_gossip_must_beat_allreduce_by_the_margin():
     policy = AutoPolicy(margin=0.9)
-    feed(policy, "allreduce", 0.100)
-    decision = feed(policy, "gossip", 0.095)
+    feed(policy, "gossip", 0.095)
+    decision = feed(policy, "allreduce", 0.100)
     assert decision.mode == "allreduce"  # 5% faster is not enough
     assert decision.why == "gossip 95.0 ms a step >= 0.9 x allreduce's 100.0 ms"
     policy = AutoPolicy(margin=0.9)
-    feed(policy, "allreduce", 0.100)
-    assert feed(policy, "gossip", 0.089).mode == "gossip"
+    feed(policy, "gossip", 0.089)
+    assert feed(policy, "allreduce", 0.100).mode == "gossip"
+
+
+def test_a_window_in_which_gossip_routing_changed_is_measured_again_once():
+    policy = AutoPolicy()
+    again = policy.decide(Window("gossip", 0.3, routing_changed=True))  # the rounds before routing began
+    assert again.mode == "gossip" and not again.probe and "measuring gossip again" in again.why
+    assert policy.decide(Window("gossip", 0.02, routing_changed=True)).mode == "allreduce"  # once only
+    assert policy.cost["gossip"] == 0.02
+
+
+def test_allreduce_is_not_measured_when_gossip_routes_around_a_rank_that_late():
+    """Every allreduce step would wait for the slow rank: measuring it would cost more than the run."""
+    policy = AutoPolicy(reprobe_windows=2, window=10)
+    policy.decide(Window("gossip", 0.3, routing_changed=True, slow_lateness=0.77))
+    decision = policy.decide(Window("gossip", 0.03, slow_lateness=0.77))  # 0.03 < 0.6 x 0.5 x 0.77
+    assert decision.mode == "gossip" and decision.why.startswith("allreduce not measured: each of its steps "
+                                                                 "would wait about 385 ms"), decision.why
+    assert policy.estimated and policy.cost["allreduce"] == pytest.approx(0.385)
+    decisions = [policy.decide(Window("gossip", 0.03, slow_lateness=0.77)) for _ in range(200)]
+    assert "(estimated)" in decisions[0].why
+    first = [d.mode for d in decisions].index("allreduce")  # measured when the estimate says it is cheap enough
+    assert first == 128  # 129 windows x 10 steps x 0.03 s x 0.05 >= 5 steps x 0.385 s
+    decision = policy.decide(Window("allreduce", 0.2))
+    assert decision.mode == "gossip" and not policy.estimated and decision.why.endswith("allreduce's 200.0 ms")
+
+
+def test_allreduce_is_measured_when_the_slow_rank_is_not_late_enough():
+    policy = AutoPolicy()
+    decision = policy.decide(Window("gossip", 0.03, slow_lateness=0.09))  # 0.03 >= 0.6 x 0.045
+    assert decision.mode == "allreduce" and decision.probe and "not measured yet" in decision.why
+    assert not policy.estimated
 
 
 def test_the_same_windows_give_the_same_decisions():
@@ -73,10 +108,12 @@ def test_after_a_reset_both_modes_are_measured_again():
     feed(policy, "gossip", 0.05)
     policy.reset()
     assert feed(policy, "gossip", 0.05).mode == "allreduce"
+    assert not policy.estimated and "allreduce" not in policy.cost
 
 
 @pytest.mark.parametrize("window", [
-    Window("sgd", 0.1), Window("gossip", float("nan")), Window("gossip", -1.0)])
+    Window("sgd", 0.1), Window("gossip", float("nan")), Window("gossip", -1.0),
+    Window("gossip", 0.1, slow_lateness=float("inf")), Window("gossip", 0.1, slow_lateness=-0.5)])
 def test_a_bad_window_is_refused(window):
     with pytest.raises(ValueError):
         AutoPolicy().decide(window)
@@ -102,7 +139,7 @@ if %(hybridize)s:
     net.hybridize()
 trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                                  mode="auto")
-assert trainer.mode == "auto" and trainer.active_mode == "allreduce"
+assert trainer.mode == "auto" and trainer.active_mode == "gossip"
 %(policy)s
 loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 rng = np.random.RandomState(rank)
@@ -142,10 +179,10 @@ def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
-    assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "allreduce"), (3, "gossip")]
-    assert [step for step, _, _ in histories[0]] == [0, 3, 9, 15], histories[0]  # allreduce's probe is 3 steps
+    assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "gossip"), (6, "allreduce")]
+    assert [step for step, _, _ in histories[0]] == [0, 6, 9, 15], histories[0]  # allreduce's probe is 3 steps
     assert "ms a step" in histories[0][2][2]
-    assert "mode='auto' at step 3: gossip (measuring gossip (not measured yet))" in job.dump()
+    assert "mode='auto' at step 6: allreduce (measuring allreduce (not measured yet))" in job.dump()
 
 
 @pytest.mark.timeout(240)
@@ -158,7 +195,7 @@ def test_switching_keeps_every_rank_on_one_model_where_allreduce_runs(cluster):
     assert_all_ok(done, job)
     runs = [f.result["steps"] for f in done]
     modes = [step[0] for step in runs[0]]
-    assert modes == ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3
+    assert modes == ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3
     for step, mode in enumerate(modes):
         digests = {run[step][1] for run in runs}
         if mode == "allreduce":

@@ -50,7 +50,7 @@ def test_killed_worker_gluon_survivors_agree(cluster, mode):
     assert all(r["accuracy"] > 0.85 for r in results), results
     assert all("now 2 workers" in f.stdout for f in survivors), job.dump()
     if mode == "auto":  # every survivor measured again at the new size, from the same step
-        assert all("mode='auto' at step 0: allreduce (the job changed to 2 workers" in f.stderr + f.stdout
+        assert all("mode='auto' at step 0: gossip (the job changed to 2 workers" in f.stderr + f.stdout
                    for f in survivors), job.dump()
     job.wait_servers_exit()
 

@@ -5,6 +5,7 @@ namespaces must be gone afterwards, also when a worker fails. Needs root and ipr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,10 +54,12 @@ bg.shutdown()
 
 
 def run_cluster(command: list[str], timeout: float = 45, local_size: int = 1,
-                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
-    """Run netns_cluster.py with 2 worker hosts and 1 server; its result and pid."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "netns_cluster.py"), "--workers", "2", "--servers", "1",
-                             "--local-size", str(local_size), "--mbit", "400", "--slow", "worker1=200", "--", *command],
+                env: dict[str, str] | None = None, workers: int = 2,
+                slow: str = "worker1=200") -> tuple[subprocess.CompletedProcess, int]:
+    """Run netns_cluster.py with ``workers`` worker hosts (2) and 1 server; its result and pid."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "netns_cluster.py"), "--workers", str(workers),
+                             "--servers", "1", "--local-size", str(local_size), "--mbit", "400", "--slow", slow,
+                             "--", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -135,3 +138,43 @@ def test_one_push_per_host_halves_what_a_host_sends() -> None:
     payload = ELEMENTS * 4 * ROUNDS
     assert sent["off"] >= 2 * payload, sent
     assert payload <= sent["auto"] <= 0.6 * sent["off"], sent
+
+
+# mode='auto' on three worker hosts, one of them behind a 10 Mbit/s link (a message of this
+# model takes about 0.2 s over it): gossip finds it slow and routes around it, and allreduce,
+# whose every step would wait for that link, is never measured (issue 24).
+AUTO_WORKER = """
+import json, mxnet as mx, mxnet_plugin as bps
+bps.init()
+rank = bps.rank()
+net = mx.gluon.nn.Dense(256, in_units=256)
+net.initialize(mx.init.Constant(0.01))
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.001}, mode="auto")
+x = mx.nd.full((2, 256), rank + 1.0)
+for step in range(30):
+    with mx.autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    trainer.step(2)
+trainer.average_parameters()
+print("RESULT " + json.dumps({"history": list(trainer.mode_history), "distance": trainer.consensus_distance()}),
+      flush=True)
+bps.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_auto_mode_does_not_measure_allreduce_across_a_slow_link() -> None:
+    done, pid = run_cluster([sys.executable, "-c", AUTO_WORKER], timeout=100, workers=3, slow="worker2=10",
+                            env={"BPS_GOSSIP_AUTO_WINDOW": "6", "BYTEPS_LOG_LEVEL": "INFO"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert leftover_namespaces(pid) == []
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 3 and all(r["history"] == results[0]["history"] for r in results), done.stdout
+    history = results[0]["history"]
+    assert [mode for _, mode, _ in history] == ["gossip"] * 5, history  # allreduce never ran
+    assert history[1][2].startswith("measuring gossip again"), history  # routing began in the first window
+    assert history[2][2].startswith("allreduce not measured"), history
+    assert "(estimated)" in history[3][2], history
+    assert "routing around slow ranks" in done.stdout + done.stderr and "rank 2's every" in done.stdout + done.stderr
+    assert all(r["distance"] < 1e-6 for r in results)

@@ -101,6 +101,7 @@ class SlowLinkRouting:
         self.slow: dict[int, int] = {}  # slow rank -> period
         self.history: collections.deque[tuple[int, dict[int, int]]] = collections.deque(maxlen=MAX_HISTORY)
         self.scores: dict[int, float] = {}  # the last window's, by rank (seconds)
+        self.lateness: dict[int, float] = {}  # each slow rank's score when last measured (seconds)
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
         self._window_started: float | None = None
@@ -159,6 +160,7 @@ class SlowLinkRouting:
         counts = summed[n * n:2 * n * n].reshape(n, n)
         chosen = choose_slow(delays, counts, summed[2 * n * n:], self.slow)
         self.scores = rank_scores(delays, counts)[0]
+        self.lateness = {rank: self.scores.get(rank, self.lateness.get(rank, 0.0)) for rank in chosen}
         # A slow rank not judged (too few of its thinned edges' messages): its measurements go on.
         carried = [rank for rank in chosen if rank not in self.scores]
         keep = np.zeros((n, n), dtype=bool)

@@ -1,7 +1,8 @@
 """DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
 
 The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps (half
-as many in a window that measures allreduce) the ranks average what they measured (seconds per step) with one push_pull and
+as many in a window that measures allreduce) the ranks average what they measured (seconds per
+step; in gossip, whether the ranks it routes around changed and how late they are) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
@@ -69,7 +70,8 @@ class AutoMode(TrainerMode):
         self.window_start: float | None = None  # the clock at the window's second step
         self.window_begin, self.window_steps = 0, self.window  # the window's first step and length
         self.active: TrainerMode = self.modes[AutoPolicy.first()]
-        self._use(self.active.name, "the first window", step=0, probe=True)
+        self.slow_at_start: set[int] = set()  # the ranks gossip routed around when the window began
+        self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
 
     @property
     def overlap_backward(self) -> bool:  # type: ignore[override]
@@ -77,8 +79,8 @@ class AutoMode(TrainerMode):
         return self.active.overlap_backward
 
     def _use(self, mode: str, why: str, step: int, probe: bool = False) -> None:
-        self._begin_window(step, probe)
         self.active = self.modes[mode]
+        self._begin_window(step, probe)
         self.trainer._scale = self.unscaled / core.size() if mode == "allreduce" else self.unscaled
         self.history.append((step, mode, why))
         log.info("mode='auto' at step %d: %s (%s)", step, mode, why)
@@ -104,14 +106,14 @@ class AutoMode(TrainerMode):
 
     def reset_world(self) -> None:
         """Elastic (every rank, joiners too, holds rank 0's synced model and optimizer states):
-        both modes follow the new size, and the windows start again from the first, allreduce,
+        both modes follow the new size, and the windows start again from the first, gossip,
         on every rank alike; the costs measured at the old size are forgotten."""
         for mode in self.modes.values():
             mode.reset_world()
         self.policy.reset()
         self.steps, self.window_start = 0, None
         self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0,
-                  probe=True)
+                  probe=AutoPolicy.short(AutoPolicy.first()))
 
     def flush(self) -> None:
         """The running mode's."""
@@ -129,12 +131,21 @@ class AutoMode(TrainerMode):
     def _begin_window(self, step: int, probe: bool) -> None:
         self.window_begin = step
         self.window_steps = AutoPolicy.probe_steps(self.window) if probe else self.window
+        self.slow_at_start = set(self._slow_links())
+
+    def _slow_links(self) -> dict[int, float]:
+        """The ranks gossip routes around, with how late they are (seconds); none outside gossip."""
+        gossip = self.modes["gossip"]
+        return gossip.gossip.slow_links() if self.active is gossip else {}
 
     def _end_window(self, now: float) -> None:
         assert self.window_start is not None
-        measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1)], np.float64)
-        mean = core.push_pull(measured, name="auto_mode_window", average=True)
-        self._switch(self.policy.decide(Window(self.active.name, float(mean[0]))))
+        slow = self._slow_links()
+        measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
+                             float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0)], np.float64)
+        mean = core.push_pull(measured, name="auto_mode_window", average=True)  # the same numbers on every rank
+        self._switch(self.policy.decide(Window(self.active.name, float(mean[0]), routing_changed=bool(mean[1] > 0),
+                                               slow_lateness=float(mean[2]))))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps

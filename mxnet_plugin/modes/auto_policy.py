@@ -8,10 +8,17 @@ is deterministic, given what it is fed) and switches at the same step.
 
 The rule:
 
-- A mode not measured yet is measured first: allreduce for one window, then gossip for one.
+- A mode not measured yet is measured first: gossip for one window, then allreduce for one.
+  Gossip's windows are whole ones: its first rounds find the slow ranks it routes around from
+  then on (:mod:`bps_gossip.gossip.routing`); a window in which the set of slow ranks changed
+  is followed by another gossip window (once), since its time is not what gossip costs now.
   A window that measures allreduce (a *probe*) is half as long as the others (3 steps at
-  least): it may be the slow mode. Gossip's are whole windows: its first rounds find the slow
-  ranks it routes around from then on (:mod:`bps_gossip.gossip.routing`).
+  least): it may be the slow mode.
+- Allreduce is not measured at all when gossip routes around a slow rank whose messages came
+  ``1 / ALLREDUCE_WAIT`` times later than gossip's step over the margin: every allreduce step
+  waits for that rank's gradient, a model's worth of bytes like a gossip message, and on one
+  slow link measuring allreduce once cost as much as 5x the whole gossip run's 5% (docs/netns.md).
+  Its cost is then taken to be ``ALLREDUCE_WAIT`` times that lateness until it is measured.
 - Then the faster one per step runs, where gossip counts as faster only below
   ``GOSSIP_MARGIN`` of allreduce's time: a gossip step moves the average model less surely than
   an exact one. Measured on emulated hosts (docs/netns.md, the digits MLP, 4 workers), gossip
@@ -21,8 +28,8 @@ The rule:
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
   in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
-  measured price: on a slow link one allreduce step may cost twenty gossip steps, and
-  measuring it every 20 windows would double the time.
+  measured (or estimated) price: on a slow link one allreduce step may cost twenty gossip
+  steps, and measuring it every 20 windows would double the time.
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-MODES = ("allreduce", "gossip")
+MODES = ("gossip", "allreduce")  # in the order they are first measured
 GOSSIP_MARGIN = 0.6  # gossip runs when its step takes less than this fraction of allreduce's
 REPROBE_WINDOWS = 20  # windows in the chosen mode before the other one is measured again
 PROBE_SHARE = 0.05  # of the time in the chosen mode, at most, spent measuring the other again
 PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps at least): it may be the slow mode
+# Of a slow rank's lateness measured by gossip (the cascade of rounds waiting on it inflates it:
+# 0.77 s late on the emulated 20 Mbit/s link, where an allreduce step took 0.46 s), the share an
+# allreduce step is taken to wait for it every step until allreduce is measured.
+ALLREDUCE_WAIT = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +54,8 @@ class Window:
 
     mode: str  # the mode that ran it
     seconds_per_step: float
+    routing_changed: bool = False  # gossip: the set of ranks it routes around changed in the window
+    slow_lateness: float = 0.0  # gossip: seconds, the latest of the ranks it routes around (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +84,12 @@ class AutoPolicy:
         self.cost: dict[str, float] = {}  # seconds per step, the last window of each mode
         self.since_probe = 0  # windows of the chosen mode since the other one ran
         self.time_in_best = 0.0  # seconds in them
+        self.estimated = False  # allreduce's cost is an estimate (from gossip's slow ranks), not measured
+        self.remeasured = False  # the last window re-measured gossip after its routing changed
 
     @staticmethod
     def first() -> str:
-        """The mode of the first window (a probe)."""
+        """The mode of the first window."""
         return MODES[0]
 
     @staticmethod
@@ -92,14 +107,31 @@ class AutoPolicy:
         """Forget the costs (the job's size changed: every cost with it)."""
         self.cost.clear()
         self.since_probe, self.time_in_best = 0, 0.0
+        self.estimated = self.remeasured = False
 
     def decide(self, window: Window) -> Decision:
         """The mode of the next window, given the one that just ended."""
         if window.mode not in MODES:
             raise ValueError(f"window of mode {window.mode!r}: not one of {MODES}")
-        if not math.isfinite(window.seconds_per_step) or window.seconds_per_step < 0:
-            raise ValueError(f"seconds_per_step={window.seconds_per_step!r} must be finite and >= 0")
+        for field in ("seconds_per_step", "slow_lateness"):
+            value = getattr(window, field)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{field}={value!r} must be finite and >= 0")
         self.cost[window.mode] = window.seconds_per_step
+        if window.mode == "allreduce":
+            self.estimated = False
+        if window.mode == "gossip" and window.routing_changed and not self.remeasured:
+            self.remeasured = True
+            return Decision("gossip", "measuring gossip again (the ranks it routes around changed in the window)")
+        self.remeasured = False
+        if "allreduce" not in self.cost and window.mode == "gossip" and window.slow_lateness > 0:
+            waits = ALLREDUCE_WAIT * window.slow_lateness
+            if window.seconds_per_step < self.margin * waits:
+                self.cost["allreduce"], self.estimated = waits, True
+                return Decision("gossip", f"allreduce not measured: each of its steps would wait about "
+                                          f"{waits * 1000:.0f} ms for the slow rank gossip routes around "
+                                          f"({window.slow_lateness * 1000:.0f} ms late), gossip's step "
+                                          f"{window.seconds_per_step * 1000:.1f} ms")
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
             return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=self.short(missing[0]))
@@ -115,7 +147,7 @@ class AutoPolicy:
                             probe=self.short(other))
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
-               f"allreduce's {allreduce * 1000:.1f} ms")
+               f"allreduce's {allreduce * 1000:.1f} ms{' (estimated)' if self.estimated else ''}")
         return Decision(best, why)
 
     def _probe_seconds(self, mode: str) -> float:

@@ -83,6 +83,7 @@ class ParameterGossip:
         self.written: dict[str, np.ndarray] | None = None  # what the last unpack() wrote (z)
         self.views = IdleViews()  # of every parameter copy, read and written every step
         self.slow_ranks: dict[int, int] = {}  # what the next averager starts routing around (reset_world)
+        self.slow_lateness: dict[int, float] = {}  # and how late each of them was, last measured (seconds)
         _live.add(self)
 
     def _host_groups(self) -> list[tuple[int, ...]] | None:
@@ -163,9 +164,9 @@ class ParameterGossip:
         the ranks this one found slow from its first round."""
         routing = getattr(self.averager, "routing", None)
         if not keep_routing:
-            self.slow_ranks = {}
+            self.slow_ranks, self.slow_lateness = {}, {}
         elif routing is not None:  # (else no round ran since the last restart: what it knew still holds)
-            self.slow_ranks = dict(routing.slow)
+            self.slow_ranks, self.slow_lateness = dict(routing.slow), self.slow_links()
         if not isinstance(self.graph_spec, str) and self.graph_spec.world_size != core.size():
             raise ValueError(f"gossip: the explicit graph is for {self.graph_spec.world_size} workers and cannot "
                              f"follow the job to {core.size()}; pass a graph name (e.g. 'npdde')")
@@ -265,6 +266,14 @@ class ParameterGossip:
         if self.slow_ranks and start_equal:
             averager.route_around(self.slow_ranks)
         return averager
+
+    def slow_links(self) -> dict[int, float]:
+        """The ranks gossip routes around now, each with how late its messages were (seconds: the
+        routing's score when last measured); what mode='auto' weighs allreduce's step against."""
+        routing = getattr(self.averager, "routing", None)
+        if routing is None:  # no round since a restart (what was known holds), or routing is off
+            return dict(self.slow_lateness) if self.averager is None else {}
+        return {rank: routing.lateness.get(rank, self.slow_lateness.get(rank, 0.0)) for rank in routing.slow}
 
     def flush(self) -> None:
         """Absorb every open gossip round (and deferred messages that arrived) and write z back."""
