@@ -62,6 +62,22 @@ def test_gossip_must_beat_allreduce_by_the_margin():
     assert feed(policy, "allreduce", 0.100).mode == "gossip"
 
 
+def test_windows_grow_while_the_decision_stays_and_count_as_that_many():
+    policy = AutoPolicy(reprobe_windows=20, window=10)
+    feed(policy, "gossip", 0.05)
+    decision = feed(policy, "allreduce", 0.1)
+    lengths = []
+    for _ in range(5):
+        assert decision.mode == "gossip", decision
+        lengths.append(decision.windows)
+        decision = policy.decide(Window("gossip", 0.05, windows=decision.windows))
+    assert lengths == [1, 2, 4, 8, 8]
+    assert decision.mode == "allreduce" and decision.probe  # 1 + 2 + 4 + 8 + 8 >= 20 windows of gossip
+    assert policy.decide(Window("allreduce", 0.1)).windows == 1  # a switch: one window again
+    with pytest.raises(ValueError, match="windows=9"):
+        policy.decide(Window("gossip", 0.05, windows=9))
+
+
 def test_a_window_in_which_gossip_routing_changed_is_measured_again_once():
     policy = AutoPolicy()
     again = policy.decide(Window("gossip", 0.3, routing_changed=True))  # the rounds before routing began
@@ -180,7 +196,8 @@ def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
     assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "gossip"), (6, "allreduce")]
-    assert [step for step, _, _ in histories[0]] == [0, 6, 9, 15], histories[0]  # allreduce's probe is 3 steps
+    steps = [step for step, _, _ in histories[0]]  # allreduce's probe is 3 steps; then a window of 6 after a
+    assert steps == ([0, 6, 9, 15] if histories[0][2][1] == "gossip" else [0, 6, 9]), histories[0]  # switch, else 12
     assert "ms a step" in histories[0][2][2]
     assert "mode='auto' at step 6: allreduce (measuring allreduce (not measured yet))" in job.dump()
 

@@ -1,7 +1,8 @@
 """DistributedTrainer's ``mode='auto'``: gossip or allreduce, whichever trains faster here.
 
 The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps (half
-as many in a window that measures allreduce) the ranks average what they measured (seconds per
+as many in a window that measures allreduce; twice as many after each decision that changes
+nothing, up to 8 times) the ranks average what they measured (seconds per
 step; in gossip, whether the ranks it routes around changed and how late they are) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). The worker's log says at INFO what it switched to and
@@ -69,6 +70,7 @@ class AutoMode(TrainerMode):
         self.steps = 0  # steps begun
         self.window_start: float | None = None  # the clock at the window's second step
         self.window_begin, self.window_steps = 0, self.window  # the window's first step and length
+        self.windows = 1  # that length in windows (it grows while the decision stays)
         self.active: TrainerMode = self.modes[AutoPolicy.first()]
         self.slow_at_start: set[int] = set()  # the ranks gossip routed around when the window began
         self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
@@ -128,9 +130,9 @@ class AutoMode(TrainerMode):
         return self.active.consensus_distance()
 
     # -- windows ----------------------------------------------------------------------------
-    def _begin_window(self, step: int, probe: bool) -> None:
-        self.window_begin = step
-        self.window_steps = AutoPolicy.probe_steps(self.window) if probe else self.window
+    def _begin_window(self, step: int, probe: bool, windows: int = 1) -> None:
+        self.window_begin, self.windows = step, 1 if probe else windows
+        self.window_steps = AutoPolicy.probe_steps(self.window) if probe else self.window * windows
         self.slow_at_start = set(self._slow_links())
 
     def _slow_links(self) -> dict[int, float]:
@@ -145,12 +147,12 @@ class AutoMode(TrainerMode):
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0)], np.float64)
         mean = core.push_pull(measured, name="auto_mode_window", average=True)  # the same numbers on every rank
         self._switch(self.policy.decide(Window(self.active.name, float(mean[0]), routing_changed=bool(mean[1] > 0),
-                                               slow_lateness=float(mean[2]))))
+                                               slow_lateness=float(mean[2]), windows=self.windows)))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps
         if decision.mode == self.active.name:
-            self._begin_window(step, decision.probe)
+            self._begin_window(step, decision.probe, decision.windows)
             self.history.append((step, decision.mode, decision.why))
             log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
             return

@@ -25,6 +25,9 @@ The rule:
   needed 1.75x allreduce's steps to reach allreduce's final accuracy; its step took 0.30x
   allreduce's with the server's link the bottleneck (time to accuracy 0.53x), 0.54x on fast links
   (0.95x) and 0.71x with one slow link (1.22x): below 0.6 gossip wins, above it allreduce.
+- While the decision stays the same, each window is twice as long as the one before (up to
+  ``MAX_WINDOWS`` windows): every decision is a push_pull every rank waits at, and on a slow link
+  the 44 of a 440-step run cost auto 5% of gossip's time. A switch starts from one window again.
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
   in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
@@ -46,6 +49,7 @@ PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps a
 # 0.77 s late on the emulated 20 Mbit/s link, where an allreduce step took 0.46 s), the share an
 # allreduce step is taken to wait for it every step until allreduce is measured.
 ALLREDUCE_WAIT = 0.5
+MAX_WINDOWS = 8  # a window grows (x2 a decision that changes nothing) to this many windows' steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Window:
     seconds_per_step: float
     routing_changed: bool = False  # gossip: the set of ranks it routes around changed in the window
     slow_lateness: float = 0.0  # gossip: seconds, the latest of the ranks it routes around (0: none)
+    windows: int = 1  # its length, in windows (a long one: Decision.windows); a probe's counts as 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Decision:
     mode: str
     why: str
     probe: bool = False  # a short window (PROBE_FRACTION) that measures allreduce
+    windows: int = 1  # the next window's length in windows (unless a probe)
 
 
 class AutoPolicy:
@@ -82,7 +88,7 @@ class AutoPolicy:
         self.reprobe_windows = reprobe_windows
         self.window, self.probe_share = window, probe_share
         self.cost: dict[str, float] = {}  # seconds per step, the last window of each mode
-        self.since_probe = 0  # windows of the chosen mode since the other one ran
+        self.since_probe = 0  # windows of the chosen mode since the other one ran (a long one counts as many)
         self.time_in_best = 0.0  # seconds in them
         self.estimated = False  # allreduce's cost is an estimate (from gossip's slow ranks), not measured
         self.remeasured = False  # the last window re-measured gossip after its routing changed
@@ -117,6 +123,8 @@ class AutoPolicy:
             value = getattr(window, field)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field}={value!r} must be finite and >= 0")
+        if not 1 <= window.windows <= MAX_WINDOWS:
+            raise ValueError(f"windows={window.windows!r} must be in [1, {MAX_WINDOWS}]")
         self.cost[window.mode] = window.seconds_per_step
         if window.mode == "allreduce":
             self.estimated = False
@@ -138,8 +146,8 @@ class AutoPolicy:
         best = self._best()
         other = MODES[1 - MODES.index(best)]
         if window.mode == best:
-            self.since_probe += 1
-            self.time_in_best += window.seconds_per_step * self.window
+            self.since_probe += window.windows
+            self.time_in_best += window.seconds_per_step * self.window * window.windows
         if (window.mode == best and self.since_probe >= self.reprobe_windows
                 and self.time_in_best * self.probe_share >= self._probe_seconds(other)):
             self.since_probe, self.time_in_best = 0, 0.0
@@ -148,7 +156,7 @@ class AutoPolicy:
         gossip, allreduce = self.cost["gossip"], self.cost["allreduce"]
         why = (f"gossip {gossip * 1000:.1f} ms a step {'<' if best == 'gossip' else '>='} {self.margin:g} x "
                f"allreduce's {allreduce * 1000:.1f} ms{' (estimated)' if self.estimated else ''}")
-        return Decision(best, why)
+        return Decision(best, why, windows=min(2 * window.windows, MAX_WINDOWS) if window.mode == best else 1)
 
     def _probe_seconds(self, mode: str) -> float:
         """What measuring ``mode`` again costs, at its last measured price."""
