@@ -54,6 +54,10 @@ def test_a_uniform_network_has_no_slow_rank_however_slow():
 def test_small_delays_are_never_slow_and_one_rank_joins_per_window():
     delays, counts = measured(8, slow_rank_delays(8, 1, 0.015))  # 15 x the others, under the floor
     assert choose_slow(delays, counts, np.ones(8), {}) == {}
+    delays, counts = measured(4, slow_rank_delays(4, 1, 0.077), default=0.051)  # 1.5x, but only 26 ms more
+    assert choose_slow(delays, counts, np.ones(4), {}) == {}
+    delays, counts = measured(4, slow_rank_delays(4, 3, 0.769), default=0.397)  # the 20 Mbit/s link's first window
+    assert list(choose_slow(delays, counts, np.full(4, 0.3), {})) == [3]
     both = {**slow_rank_delays(8, 1, 0.5), **slow_rank_delays(8, 5, 0.3)}
     delays, counts = measured(8, both)
     first = choose_slow(delays, counts, np.ones(8), {})
