@@ -114,6 +114,7 @@ class FakeNetwork:
         if not 0 <= dst < self.size or dst == src:
             raise ValueError(f"rank {src} sent to rank {dst}")
         copies = [np.array(a, copy=True) for a in arrays]
+        header = {**header, "sent": time.time()}  # as the worker's channel sends it (one header a message)
         ident = (src, dst, str(header["tag"]), int(header["round"]))
         with self.lock:
             if ident in self.in_flight:
@@ -145,6 +146,7 @@ class FakeNetwork:
     def _deliver(self, src: int, dst: int, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         key = (dst, str(header["tag"]), int(header["round"]))
         header["arrived"] = time.monotonic()  # as the worker's channel stamps it
+        header["transit"] = time.time() - header["sent"]
         with self.lock:
             self.mailbox.setdefault(key, {})[src] = (header, arrays)
             complete = self._take(key)

@@ -78,6 +78,26 @@ def test_a_slow_rank_stays_until_its_edges_are_fast_and_a_minority_is_slow():
     assert choose_slow(delays, counts, np.ones(2), {}) == {}  # two ranks: nothing to route around
 
 
+def test_a_slow_rank_leaves_once_its_link_and_compute_are_normal_however_late_it_comes():
+    """Routed around, a rank lags: its messages come late against the others' rounds (lateness
+    0.5 s) even when its link is fast. It stays slow while its pair transit or its busy seconds
+    per round are high, and leaves when both are normal."""
+    delays, counts = measured(4, slow_rank_delays(4, 3, 0.5))
+    rounds, busy = np.full(4, 0.02), np.full(4, 0.01)
+    offset = np.array([0.0, 3.0, -2.0, 7.0])  # each rank's clock: the pair sums cancel it
+    sent_at = offset[:, None] - offset[None, :]  # receive stamp minus send stamp, beyond the transit
+
+    def transits(transit: dict[tuple[int, int], float]) -> np.ndarray:
+        return counts * (sent_at * -1 + np.vectorize(lambda a, b: transit.get((a, b), 0.002))(
+            *np.indices((4, 4))))
+
+    fast = transits({})
+    assert choose_slow(delays, counts, rounds, {3: 8}, fast, busy) == {}  # lag only: it leaves
+    assert 3 in choose_slow(delays, counts, rounds, {3: 8}, transits(slow_rank_delays(4, 3, 0.25)), busy)
+    assert 3 in choose_slow(delays, counts, rounds, {3: 8}, fast, np.array([0.01, 0.01, 0.01, 0.15]))
+    assert 3 in choose_slow(delays, counts, rounds, {3: 8})  # no transits: its lateness decides
+
+
 def test_thinned_edges_carry_once_per_period_at_moving_places_and_the_rest_every_round():
     routing = SlowLinkRouting(4, 0)
     routing.slow = {3: 4}
@@ -105,7 +125,7 @@ def test_bad_measurements_are_refused():
     routing = SlowLinkRouting(4, 0)
     with pytest.raises(ValueError, match="summed measurements"):
         routing.decide(np.zeros(3), 32, 0.0)
-    bad = np.zeros(2 * 16 + 4)
+    bad = np.zeros(3 * 16 + 2 * 4)
     bad[0] = np.nan
     with pytest.raises(ValueError, match="not finite"):
         routing.decide(bad, 32, 0.0)
@@ -200,7 +220,8 @@ def test_a_slow_rank_with_too_few_messages_is_kept_and_its_measurements_go_on():
     delays[2, :] = counts[2, :] = 0
     delays[2, 0], counts[2, 0] = 0.3, 1
     n = 4
-    summed = np.concatenate([delays.reshape(-1), counts.reshape(-1), np.full(n, 0.01)])
+    summed = np.concatenate([delays.reshape(-1), counts.reshape(-1), delays.reshape(-1), np.full(n, 0.01),
+                             np.full(n, 0.01)])
     assert not routing.decide(summed, 32, 1.0)  # kept as it was
     assert routing.slow == {2: 8} and 2 not in routing.scores
     assert routing._counts[2, 0] == 1 and routing._counts[1, 0] == 0  # carried; the rest starts again

@@ -31,7 +31,7 @@ SAMPLES: list[p.Message] = [  # one of every op, every optional field set
     p.Ack(req=1), p.Result(req=1, shm=True), p.Error(req=1, kind="lost", why="gone"),
     p.Stats(req=2, rank=0, parts={"9": [0, 1]}, rounds_done=3, open_rounds=0, pushes=[4, 0], socket_bytes=64),
     p.Gossip(tag="sgp", round=7, dtypes=["<f4"], counts=[3], gen=1, keys=["w"], weight=0.5, shm="seg",
-             offsets=[0]),
+             offsets=[0], sent=1.7e9),
     p.GossipAck(shm="seg", gen=1),
 ]
 

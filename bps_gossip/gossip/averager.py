@@ -242,7 +242,8 @@ class GossipAverager:
             self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
         if self.routing is not None and pending.rnd > 0:  # round 0 also opens the connections
             for src, delay in pending.delays.items():
-                self.routing.record(src, delay)
+                self.routing.record(src, delay, pending.transits.get(src))
+            self.routing.waited(pending.waited)
 
     def flush(self) -> None:
         """Absorb every open round, and the deferred messages that arrived (before evaluating,

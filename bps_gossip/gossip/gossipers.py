@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ class PendingRound:
     kept: float | None = None  # the share x keeps, when begin() left scaling x to absorb()
     started: float = dataclasses.field(default_factory=time.monotonic)  # when this rank began the round
     delays: dict[int, float] = dataclasses.field(default_factory=dict)  # source -> seconds after ``started``
+    transits: dict[int, float] = dataclasses.field(default_factory=dict)  # source -> its transit + clock offset
+    waited: float = 0.0  # seconds this rank blocked for the messages
 
     def arrived(self) -> bool:
         """True when every in-peer's message is in (absorbing will not wait)."""
@@ -50,11 +53,15 @@ class PendingRound:
     def wait(self, tag: str, timeout: float | None) -> Any:
         """The expect() result: {source: (header, arrays)}; notes when each message arrived
         (the link stamps ``arrived``, a monotonic time; else now)."""
+        before = time.monotonic()
         received = wait(self.future, timeout, f"gossip {tag!r} round {self.rnd}")
         now = time.monotonic()
+        self.waited = now - before
         for src, (header, _) in received.items():
-            arrived = header.get("arrived", now)
+            arrived, transit = header.get("arrived", now), header.get("transit")
             self.delays[src] = arrived - self.started if isinstance(arrived, float) else now - self.started
+            if isinstance(transit, float) and math.isfinite(transit):
+                self.transits[src] = transit
         return received
 
 

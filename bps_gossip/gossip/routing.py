@@ -16,9 +16,13 @@ rank are then
 
 Push-sum's weights travel from the decision that finds a slow rank until the one that finds
 none (then one exact average makes every weight 1 again).
-A rank stops being slow when its edges are fast again (a lower threshold than the one that
-made it slow, so the decision does not flap). At most (n - 1) // 2 ranks are slow: when
-more are, they are the norm.
+A rank stops being slow when neither its link nor its compute is slow any more (lower
+thresholds than the ones that made it slow, so the decision does not flap): its lateness
+cannot say, since once nobody waits for a rank its messages come later against the others'
+rounds however fast it is. Its link: the transit of its fastest pair, each message stamped
+by its sender's clock and its receiver's, summed both ways (the clocks' offset cancels). Its
+compute: its seconds per round not spent waiting for messages. At most (n - 1) // 2 ranks
+are slow: when more are, they are the norm.
 """
 
 from __future__ import annotations
@@ -55,14 +59,38 @@ def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float
     return scores, worst
 
 
+def link_scores(transits: np.ndarray, counts: np.ndarray) -> dict[int, float]:
+    """Per rank with a pair measured both ways: the mean transit of its fastest pair, seconds
+    (``transits[a, b]``: the summed receive-minus-send stamps of ``counts[a, b]`` messages a -> b;
+    a pair's two ways summed cancel the offset of the two clocks)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(counts > 0, transits / np.maximum(counts, 1), np.nan)
+    pair = (mean + mean.T) / 2  # nan unless both ways were measured
+    scores = {}
+    for rank in range(len(pair)):
+        measured = pair[rank][~np.isnan(pair[rank])]
+        if measured.size:
+            scores[rank] = max(float(measured.min()), 0.0)
+    return scores
+
+
+def _above(values: Mapping[int, float], rank: int, ratio: float, floor: float) -> bool:
+    """Whether ``values[rank]`` is ``ratio`` times the median and ``floor`` seconds more."""
+    typical = float(np.median(list(values.values())))
+    return values[rank] > ratio * typical and values[rank] - typical > floor
+
+
 def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarray,
-                slow: Mapping[int, int]) -> dict[int, int]:
+                slow: Mapping[int, int], transits: np.ndarray | None = None,
+                busy_seconds: np.ndarray | None = None) -> dict[int, int]:
     """The slow ranks and their periods (rounds between messages on their edges) for the next
     window: a pure function of the summed measurements, so every rank decides the same.
 
     ``delays[a, b]`` / ``counts[a, b]``: the summed delays (seconds) and the number of messages
     measured on edge a -> b (by b); ``round_seconds[r]``: rank r's seconds per round in the
-    window; ``slow``: the current decision.
+    window; ``slow``: the current decision; ``transits[a, b]``: the summed transits (plus the
+    clocks' offset) of those messages, ``busy_seconds[r]``: rank r's seconds per round not spent
+    waiting for messages (without them, a slow rank leaves when its lateness is normal again).
 
     A rank's score is the delay of its fastest out-edge or of its fastest in-edge, whichever is
     larger (each edge's mean over the window), once MIN_MESSAGES were measured each way (a
@@ -84,9 +112,17 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
     def is_slow(rank: int, ratio: float, floor: float) -> bool:  # the floor applies to what it adds
         return scores[rank] > ratio * typical and scores[rank] - typical > floor
 
-    chosen = {rank: period for rank, period in slow.items()
-              if rank not in scores or is_slow(rank, LEAVE_RATIO, LEAVE_FLOOR)}
-    newcomers = sorted((rank for rank in scores if rank not in chosen and is_slow(rank, ENTER_RATIO, ENTER_FLOOR)),
+    def stays(rank: int) -> bool:
+        if transits is None or busy_seconds is None:
+            return rank not in scores or is_slow(rank, LEAVE_RATIO, LEAVE_FLOOR)
+        links = link_scores(transits, counts)
+        busy = dict(enumerate(float(value) for value in busy_seconds))
+        return (rank not in links or _above(links, rank, LEAVE_RATIO, LEAVE_FLOOR)
+                or _above(busy, rank, LEAVE_RATIO, LEAVE_FLOOR))
+
+    chosen = {rank: period for rank, period in slow.items() if stays(rank)}
+    # (A rank that leaves is judged again on lateness measured while the others wait for it.)
+    newcomers = sorted((rank for rank in scores if rank not in slow and is_slow(rank, ENTER_RATIO, ENTER_FLOOR)),
                        key=lambda rank: (-scores[rank], rank))
     if newcomers and len(chosen) < (n - 1) // 2:
         chosen[newcomers[0]] = 0
@@ -107,6 +143,8 @@ class SlowLinkRouting:
         self.lateness: dict[int, float] = {}  # each slow rank's score when last measured (seconds)
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
+        self._transits = np.zeros((size, size))
+        self._waited = 0.0  # seconds this rank blocked for messages in this window
         self._window_started: float | None = None
         self._rounds = 0  # rounds begun in this window
 
@@ -132,10 +170,17 @@ class SlowLinkRouting:
         deferred = [src for src in in_peers if self.period(src, me) and self.carries(src, me, rnd)]
         return sends, waits, deferred
 
-    def record(self, src: int, delay: float) -> None:
-        """A message from ``src`` arrived ``delay`` seconds after this rank started its round."""
+    def record(self, src: int, delay: float, transit: float | None = None) -> None:
+        """A message from ``src`` arrived ``delay`` seconds after this rank started its round,
+        ``transit`` seconds after it was sent by its sender's clock (None: not stamped, taken as
+        ``delay``)."""
         self._delays[src, self.rank] += max(delay, 0.0)
         self._counts[src, self.rank] += 1
+        self._transits[src, self.rank] += delay if transit is None else transit
+
+    def waited(self, seconds: float) -> None:
+        """This rank blocked ``seconds`` for messages (what its compute is not)."""
+        self._waited += max(seconds, 0.0)
 
     def due(self, rnd: int, now: float) -> bool:
         """Whether round ``rnd`` starts with a decision: at rounds 4, 8 and 16, then every ``window``."""
@@ -143,35 +188,43 @@ class SlowLinkRouting:
             self._window_started = now
         return rnd in FIRST_DECISIONS or (rnd > 0 and rnd % self.window == 0)
 
+    def length(self) -> int:
+        """The measurement vector's length: delays, counts, transits (n x n each), seconds per
+        round and busy seconds per round (n each)."""
+        return 3 * self.size * self.size + 2 * self.size
+
     def measurements(self, now: float) -> np.ndarray:
-        """This rank's part of the window's sum: delays, counts, and its seconds per round."""
-        n = self.size
-        vector = np.zeros(2 * n * n + n)
-        vector[:n * n] = self._delays.reshape(-1)
-        vector[n * n:2 * n * n] = self._counts.reshape(-1)
-        vector[2 * n * n + self.rank] = (now - (self._window_started or now)) / max(self._rounds, 1)
+        """This rank's part of the window's sum (:meth:`length`)."""
+        n, nn = self.size, self.size * self.size
+        vector = np.zeros(self.length())
+        vector[:nn] = self._delays.reshape(-1)
+        vector[nn:2 * nn] = self._counts.reshape(-1)
+        vector[2 * nn:3 * nn] = self._transits.reshape(-1)
+        per_round = (now - (self._window_started or now)) / max(self._rounds, 1)
+        vector[3 * nn + self.rank] = per_round
+        vector[3 * nn + n + self.rank] = max(per_round - self._waited / max(self._rounds, 1), 0.0)
         return vector
 
     def decide(self, summed: np.ndarray, rnd: int, now: float) -> bool:
         """Take the decision from the summed measurements of every rank; start a new window.
         True when the slow ranks or their periods changed."""
-        n = self.size
-        if summed.shape != (2 * n * n + n,) or not np.isfinite(summed).all():
+        n, nn = self.size, self.size * self.size
+        if summed.shape != (self.length(),) or not np.isfinite(summed).all():
             raise ValueError(f"gossip routing: the summed measurements have shape {summed.shape}, not finite "
-                             f"or not {(2 * n * n + n,)}")
-        delays = summed[:n * n].reshape(n, n)
-        counts = summed[n * n:2 * n * n].reshape(n, n)
-        chosen = choose_slow(delays, counts, summed[2 * n * n:], self.slow)
+                             f"or not {(self.length(),)}")
+        delays, counts, transits = (summed[part * nn:(part + 1) * nn].reshape(n, n) for part in range(3))
+        chosen = choose_slow(delays, counts, summed[3 * nn:3 * nn + n], self.slow, transits, summed[3 * nn + n:])
         self.scores = rank_scores(delays, counts)[0]
         self.lateness = {rank: self.scores.get(rank, self.lateness.get(rank, 0.0)) for rank in chosen}
         # A slow rank not judged (too few of its thinned edges' messages): its measurements go on.
-        carried = [rank for rank in chosen if rank not in self.scores]
+        links = link_scores(transits, counts)
+        carried = [rank for rank in chosen if rank not in self.scores or rank not in links]
         keep = np.zeros((n, n), dtype=bool)
         keep[carried, :] = keep[:, carried] = True
-        self._delays[~keep] = 0
-        self._counts[~keep] = 0
+        for matrix in (self._delays, self._counts, self._transits):
+            matrix[~keep] = 0
         self._window_started = now
-        self._rounds = 0
+        self._rounds, self._waited = 0, 0.0
         if chosen == self.slow:
             return False
         self.slow = chosen

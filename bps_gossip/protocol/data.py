@@ -214,7 +214,8 @@ class Stats(Message):
 class Gossip(Message):
     """One round of one gossip (``tag``) from a peer: arrays in the frames that follow, or (``shm``)
     at ``offsets`` in the sender's own shared-memory segment. ``keys`` name the arrays and
-    ``weight`` is push-sum's weight share (the gossip cores read them)."""
+    ``weight`` is push-sum's weight share (the gossip cores read them); ``sent`` the sender's
+    wall clock when it sent (routing sums it both ways over a pair: the clocks' offset cancels)."""
 
     tag: str = text(256)
     round: int = integer(0, 1 << 62)
@@ -225,6 +226,7 @@ class Gossip(Message):
     weight: float | None = number(optional=True)
     shm: str | None = optional_text(256)
     offsets: list[int] | None = integers(MAX_ARRAYS, 0, MAX_ELEMENTS, optional=True)
+    sent: float | None = number(optional=True)
 
     def __post_init__(self) -> None:
         self._check(len(self.dtypes) == len(self.counts), f"{len(self.dtypes)} dtypes but {len(self.counts)} counts")

@@ -107,7 +107,7 @@ class PeerChannel:
             self.in_flight[shm] = (dst, key, segment)
         msg = Gossip(tag=header["tag"], round=header["round"], dtypes=[a.dtype.str for a in arrays],
                      counts=[int(a.size) for a in arrays], gen=self.generation, keys=header.get("keys"),
-                     weight=header.get("weight"), shm=shm, offsets=offsets)
+                     weight=header.get("weight"), shm=shm, offsets=offsets, sent=time.time())
         self._send(dst, msg, [np.ascontiguousarray(a) for a in arrays] if staged is None else [])
 
     def ack(self, dst: int, segment: str) -> None:
@@ -171,6 +171,8 @@ class PeerChannel:
         self.pending[src] = [count + 1, nbytes + size]
         header = msg.encode()
         header["arrived"] = time.monotonic()  # how late each peer's messages come (gossip's routing)
+        # Its transit plus our clocks' offset (gossip's routing sums both ways of a pair: the offset cancels).
+        header["transit"] = None if msg.sent is None else time.time() - msg.sent
         self.inbox.setdefault((tag, rnd), box)[src] = (header, arrays, size)
         self._complete((tag, rnd))
 
