@@ -155,3 +155,19 @@ def test_rounds_far_ahead_are_not_kept(pair):
     send(a, 1, 1, 2.0)  # the next round is kept as before, and so is round 0 of a new averager
     send(a, 1, 0, 3.0)
     assert pump(b, lambda: ("g", 1) in b.channel.inbox and ("g", 0) in b.channel.inbox)
+
+
+def test_a_message_is_stamped_with_its_transit_and_a_bogus_send_stamp_is_dropped(pair):
+    """Gossip's routing sums receive-minus-send stamps: a sender's clock a day off (a liar's)
+    must not reach the sums, which would stop being finite."""
+    a, b = pair
+    for rnd, shift in ((0, 0.0), (1, -1e300), (2, 2e5)):
+        send(a, 1, rnd, 1.0)
+        assert b.sock.poll(2000)
+        route, msg, frames = _receive_gossip(b)
+        assert msg.sent is not None and abs(msg.sent - time.time()) < 60
+        b.channel.on_message(route, dataclasses.replace(msg, sent=msg.sent + shift), frames)
+        future = Future()
+        b.expect(PeerExpect("g", rnd, [0], future))
+        transit = future.result(0)[0][0]["transit"]
+        assert (transit is not None and 0 <= transit < 5) if shift == 0 else transit is None, (shift, transit)

@@ -39,6 +39,7 @@ MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped pa
 MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast peer is a few rounds ahead)
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
 MAX_AHEAD = 256  # rounds of one tag a peer may be ahead of the last one read from it (routing: thinned edges)
+MAX_CLOCK_OFFSET = 86400.0  # seconds: a send stamp further from our clock is dropped
 
 Message = Tuple[Dict[str, Any], List[np.ndarray]]
 Filed = Tuple[Dict[str, Any], List[np.ndarray], int]  # a message and the bytes it holds
@@ -171,8 +172,10 @@ class PeerChannel:
         self.pending[src] = [count + 1, nbytes + size]
         header = msg.encode()
         header["arrived"] = time.monotonic()  # how late each peer's messages come (gossip's routing)
-        # Its transit plus our clocks' offset (gossip's routing sums both ways of a pair: the offset cancels).
-        header["transit"] = None if msg.sent is None else time.time() - msg.sent
+        # Its transit plus our clocks' offset (gossip's routing sums both ways of a pair: the offset
+        # cancels); a stamp a day off is no clock's: dropped, so that sums of them stay finite.
+        transit = None if msg.sent is None else time.time() - msg.sent
+        header["transit"] = transit if transit is not None and abs(transit) <= MAX_CLOCK_OFFSET else None
         self.inbox.setdefault((tag, rnd), box)[src] = (header, arrays, size)
         self._complete((tag, rnd))
 
