@@ -94,10 +94,11 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
 
     A rank's score is the delay of its fastest out-edge or of its fastest in-edge, whichever is
     larger (each edge's mean over the window), once MIN_MESSAGES were measured each way (a
-    slow rank not judged stays as it is); it is slow when its score is ENTER_RATIO times the
-    median score and ENTER_FLOOR seconds more (it stays slow above LEAVE_RATIO and LEAVE_FLOOR): a slow worker is late for everyone it sends to, a
-    slow link is late both ways, while a rank the slow one holds up is late only in the rounds
-    it waited for it, so one of its edges each way stays fast. While a slow
+    slow rank not judged stays as it is); it becomes slow when its score is ENTER_RATIO times
+    the median score and ENTER_FLOOR seconds more: a slow worker is late for everyone it sends
+    to, a slow link is late both ways, while a rank the slow one holds up is late only in the rounds
+    it waited for it, so one of its edges each way stays fast. It stays slow while its link or
+    its compute is LEAVE_RATIO times the median and LEAVE_FLOOR seconds more. While a slow
     rank holds the others up, they are late for each other too, so at most one rank becomes
     slow per window (the worst): once nobody waits for it, the next window shows whether
     another one is slow.
