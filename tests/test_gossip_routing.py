@@ -96,6 +96,9 @@ def test_a_slow_rank_leaves_once_its_link_and_compute_are_normal_however_late_it
     assert 3 in choose_slow(delays, counts, rounds, {3: 8}, transits(slow_rank_delays(4, 3, 0.25)), busy)
     assert 3 in choose_slow(delays, counts, rounds, {3: 8}, fast, np.array([0.01, 0.01, 0.01, 0.15]))
     assert 3 in choose_slow(delays, counts, rounds, {3: 8})  # no transits: its lateness decides
+    # 4 ranks of npdde: rank 1's only pair measured both ways is with rank 3; what is typical is
+    # measured between the fast ranks (else a link 33 ms slower would pass for normal).
+    assert 3 in choose_slow(delays, counts, rounds, {3: 8}, transits(slow_rank_delays(4, 3, 0.035)), busy)
 
 
 def test_thinned_edges_carry_once_per_period_at_moving_places_and_the_rest_every_round():

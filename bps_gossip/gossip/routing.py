@@ -74,10 +74,10 @@ def link_scores(transits: np.ndarray, counts: np.ndarray) -> dict[int, float]:
     return scores
 
 
-def _above(values: Mapping[int, float], rank: int, ratio: float, floor: float) -> bool:
-    """Whether ``values[rank]`` is ``ratio`` times the median and ``floor`` seconds more."""
-    typical = float(np.median(list(values.values())))
-    return values[rank] > ratio * typical and values[rank] - typical > floor
+def _above(value: float, typical: Sequence[float], ratio: float, floor: float) -> bool:
+    """Whether ``value`` is ``ratio`` times the median of ``typical`` and ``floor`` seconds more."""
+    median = float(np.median(typical))
+    return value > ratio * median and value - median > floor
 
 
 def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarray,
@@ -117,9 +117,10 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
         if transits is None or busy_seconds is None:
             return rank not in scores or is_slow(rank, LEAVE_RATIO, LEAVE_FLOOR)
         links = link_scores(transits, counts)
-        busy = dict(enumerate(float(value) for value in busy_seconds))
-        return (rank not in links or _above(links, rank, LEAVE_RATIO, LEAVE_FLOOR)
-                or _above(busy, rank, LEAVE_RATIO, LEAVE_FLOOR))
+        fast = [other for other in range(n) if other not in slow]  # a pair through a slow rank is not typical
+        typical = list(link_scores(transits[np.ix_(fast, fast)], counts[np.ix_(fast, fast)]).values())
+        return (rank not in links or not typical or _above(links[rank], typical, LEAVE_RATIO, LEAVE_FLOOR)
+                or _above(float(busy_seconds[rank]), list(busy_seconds), LEAVE_RATIO, LEAVE_FLOOR))
 
     chosen = {rank: period for rank, period in slow.items() if stays(rank)}
     # (A rank that leaves is judged again on lateness measured while the others wait for it.)
