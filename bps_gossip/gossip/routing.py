@@ -143,6 +143,8 @@ class SlowLinkRouting:
         self.history: collections.deque[tuple[int, dict[int, int]]] = collections.deque(maxlen=MAX_HISTORY)
         self.scores: dict[int, float] = {}  # the last window's, by rank (seconds)
         self.lateness: dict[int, float] = {}  # each slow rank's score when last measured (seconds)
+        self.links: dict[int, float] = {}  # the last window's link (fastest pair's transit) by rank, seconds
+        self.busy: dict[int, float] = {}  # and seconds a round not waiting
         self._delays = np.zeros((size, size))
         self._counts = np.zeros((size, size))
         self._transits = np.zeros((size, size))
@@ -220,6 +222,7 @@ class SlowLinkRouting:
         self.lateness = {rank: self.scores.get(rank, self.lateness.get(rank, 0.0)) for rank in chosen}
         # A slow rank not judged (too few of its thinned edges' messages): its measurements go on.
         links = link_scores(transits, counts)
+        self.links, self.busy = links, dict(enumerate(float(value) for value in summed[3 * nn + n:]))
         carried = [rank for rank in chosen if rank not in self.scores or rank not in links]
         keep = np.zeros((n, n), dtype=bool)
         keep[carried, :] = keep[:, carried] = True
@@ -235,9 +238,12 @@ class SlowLinkRouting:
 
     def describe(self) -> str:
         """The decision in words, for the log."""
-        measured = ", ".join(f"{rank}: {score * 1000:.1f}" for rank, score in sorted(self.scores.items()))
+        def by_rank(values: Mapping[int, float]) -> str:
+            return ", ".join(f"{rank}: {value * 1000:.1f}" for rank, value in sorted(values.items()))
+
+        measured = f"ms late by rank: {by_rank(self.scores)}; link: {by_rank(self.links)}; " \
+                   f"computing a round: {by_rank(self.busy)}"
         if not self.slow:
-            return f"no rank is slow, every edge carries every round (ms late by rank: {measured})"
+            return f"no rank is slow, every edge carries every round ({measured})"
         parts = ", ".join(f"rank {rank}'s every {period} rounds" for rank, period in sorted(self.slow.items()))
-        return f"routing around slow ranks: nobody waits for their edges, which carry {parts} (ms late by " \
-               f"rank: {measured})"
+        return f"routing around slow ranks: nobody waits for their edges, which carry {parts} ({measured})"
