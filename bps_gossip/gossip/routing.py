@@ -113,13 +113,16 @@ def choose_slow(delays: np.ndarray, counts: np.ndarray, round_seconds: np.ndarra
     def is_slow(rank: int, ratio: float, floor: float) -> bool:  # the floor applies to what it adds
         return scores[rank] > ratio * typical and scores[rank] - typical > floor
 
+    if transits is not None and busy_seconds is not None:
+        links = link_scores(transits, counts)
+        fast = [other for other in range(n) if other not in slow]  # a pair through a slow rank is not typical
+        typical_links = list(link_scores(transits[np.ix_(fast, fast)], counts[np.ix_(fast, fast)]).values())
+
     def stays(rank: int) -> bool:
         if transits is None or busy_seconds is None:
             return rank not in scores or is_slow(rank, LEAVE_RATIO, LEAVE_FLOOR)
-        links = link_scores(transits, counts)
-        fast = [other for other in range(n) if other not in slow]  # a pair through a slow rank is not typical
-        typical = list(link_scores(transits[np.ix_(fast, fast)], counts[np.ix_(fast, fast)]).values())
-        return (rank not in links or not typical or _above(links[rank], typical, LEAVE_RATIO, LEAVE_FLOOR)
+        return (rank not in links or not typical_links
+                or _above(links[rank], typical_links, LEAVE_RATIO, LEAVE_FLOOR)
                 or _above(float(busy_seconds[rank]), list(busy_seconds), LEAVE_RATIO, LEAVE_FLOOR))
 
     chosen = {rank: period for rank, period in slow.items() if stays(rank)}
