@@ -322,12 +322,18 @@ def test_average_exactly_and_consensus_distance():
         before = avg.consensus_distance()
         avg.step()  # one round left open (held by the network): average_exactly flushes it
         network.deliver()
-        avg.average_exactly()
-        return before, avg.weight, avg.x["w"], avg.consensus_distance()
+        avg.drain()
+        z = avg.debiased()["w"].copy()  # what the ranks hold before the average
+        drift = avg.average_exactly(measure=True)
+        return before, avg.weight, avg.x["w"], avg.consensus_distance(), z, drift
 
-    for before, weight, x, after in run_ranks(n, body):
+    results = run_ranks(n, body)
+    # the measured drift: RMS over ranks and elements of z - average, the same on every rank
+    expected = np.sqrt(np.mean([np.mean((z - mean) ** 2) for *_, z, _ in results]))
+    for before, weight, x, after, _, drift in results:
         assert before > 1 and weight == 1.0 and after == pytest.approx(0.0, abs=1e-12)
         np.testing.assert_allclose(x, mean, rtol=1e-12)
+        assert drift == pytest.approx(expected, rel=1e-9) and drift > 0.1
 
 
 # -- CHOCO ----------------------------------------------------------------------------------

@@ -258,16 +258,26 @@ class GossipAverager:
         self._absorb_owed(everything=True)
 
     # -- exact collectives through the servers ------------------------------------
-    def average_exactly(self) -> None:
-        """Make every rank hold the exact average (sum of x over sum of w), with w = 1."""
+    def average_exactly(self, measure: bool = False) -> float | None:
+        """Make every rank hold the exact average (sum of x over sum of w), with w = 1.
+
+        With ``measure``, return how far the ranks were from it: the RMS over ranks and elements
+        of z - average (the same number on every rank; one more push_pull of two numbers)."""
         self.drain()
         if self.size == 1:
-            return
+            return 0.0 if measure else None
+        before = self.debiased() if measure else {}
         total_weight = self.link.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]
         for key, value in self.x.items():
             self.link.push_pull(value, f"{self.tag}.average.{key}", average=False, out=value)
             value /= value.dtype.type(total_weight)
         self.weight = 1.0
+        if not measure:
+            return None
+        squares = sum(float(np.sum(np.square(z - self.x[key], dtype=np.float64))) for key, z in before.items())
+        count = sum(value.size for value in self.x.values())
+        mean = self.link.push_pull(np.array([squares / max(count, 1)]), f"{self.tag}.average.drift", average=True)[0]
+        return float(np.sqrt(max(float(mean), 0.0)))
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's z from the average of z over ranks (through the servers)."""

@@ -206,9 +206,10 @@ class ChocoAverager(GossipAverager):
             pull = sum(self.hat[peer][key] for peer in self.neighbors) - len(self.neighbors) * mine[key]
             value += (step * pull).astype(value.dtype)
 
-    def average_exactly(self) -> None:
+    def average_exactly(self, measure: bool = False) -> float | None:
         """The exact average through the servers; the public copies restart from it."""
-        super().average_exactly()
+        drift = super().average_exactly(measure)
         for copies in self.hat.values():
             for key, value in self.x.items():
                 copies[key] = value.astype(np.float32)
+        return drift

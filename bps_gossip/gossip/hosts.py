@@ -168,8 +168,9 @@ class HostAverager(GossipAverager):
                     raise ValueError(f"{what}: rank {source} sent values that are not finite for buffer {key!r}")
         return received
 
-    def average_exactly(self) -> None:
+    def average_exactly(self, measure: bool = False) -> float | None:
         """The exact average through the servers (every worker takes part)."""
-        super().average_exactly()
+        drift = super().average_exactly(measure)
         if self.hosts is not None:
             self.hosts.weight = 1.0
+        return drift

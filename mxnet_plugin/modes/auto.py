@@ -15,6 +15,10 @@ Switching keeps the ranks' models consistent:
   push-sum starts again from them, weight 1.
 - gossip -> allreduce: the models and the optimizer's states (momentum) are made exactly
   their average over ranks, so that the same summed gradients keep every rank's model equal.
+
+While gossip runs, a decision may also make the models exactly their average (when they drift
+apart, or the learning rate fell: the rule is the policy's); each such average measures the drift
+it removed and how far the average moved since the last, and tells the policy.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class AutoMode(TrainerMode):
         self.windows = 1  # that length in windows (it grows while the decision stays)
         self.active: TrainerMode = self.modes[AutoPolicy.first()]
         self.slow_at_start: set[int] = set()  # the ranks gossip routed around when the window began
+        self.average_seconds = 0.0  # what this rank's last exact average on a decision took
+        self.last_average: dict[str, np.ndarray] | None = None  # the model then (host copy), for how far it moved
         self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
 
     @property
@@ -114,6 +120,7 @@ class AutoMode(TrainerMode):
             mode.reset_world()
         self.policy.reset()
         self.steps, self.window_start = 0, None
+        self.last_average, self.average_seconds = None, 0.0
         self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0,
                   probe=AutoPolicy.short(AutoPolicy.first()))
 
@@ -144,18 +151,25 @@ class AutoMode(TrainerMode):
         assert self.window_start is not None
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
-                             float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0)], np.float64)
+                             float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
+                             self.average_seconds, float(self.trainer.learning_rate)], np.float64)
         mean = core.push_pull(measured, name="auto_mode_window", average=True)  # the same numbers on every rank
         self._switch(self.policy.decide(Window(self.active.name, float(mean[0]), routing_changed=bool(mean[1] > 0),
-                                               slow_lateness=float(mean[2]), windows=self.windows)))
+                                               slow_lateness=float(mean[2]), windows=self.windows,
+                                               average_seconds=float(mean[3]), learning_rate=float(mean[4]))))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps
         if decision.mode == self.active.name:
-            self._begin_window(step, decision.probe, decision.windows)
             self.history.append((step, decision.mode, decision.why))
             log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
+            windows = decision.windows
+            if decision.average:
+                self._average_exactly(step)
+                windows = self.policy.until_average(windows)
+            self._begin_window(step, decision.probe, windows)
             return
+        self.last_average = None  # the models are equal after a switch: the next average measures from there
         if decision.mode == "allreduce":  # from gossip: equal models and optimizer states first
             self.active.flush()
             self.active.average_parameters()
@@ -164,6 +178,25 @@ class AutoMode(TrainerMode):
             mx.nd.waitall()
         self.modes["gossip"].restart()  # push-sum starts again from the equal models
         self._use(decision.mode, decision.why, step, decision.probe)
+
+    def _average_exactly(self, step: int) -> None:
+        """An exact average the policy asked for, in gossip: measure the drift it removed and how
+        far the average moved since the last one, and tell the policy (collective)."""
+        gossip = self.modes["gossip"].gossip
+        start = time.perf_counter()
+        drift = gossip.average_exactly(measure=True)
+        model = gossip.pack()
+        moved = None
+        if self.last_average is not None and self.last_average.keys() == model.keys():
+            squares = sum(float(np.sum(np.square(model[key] - self.last_average[key], dtype=np.float64)))
+                          for key in model)
+            moved = float(np.sqrt(squares / max(1, sum(value.size for value in model.values()))))
+        self.last_average, self.average_seconds = model, time.perf_counter() - start
+        crowded = self.policy.average_every == 0
+        why = self.policy.record_average(float(drift or 0.0), moved)
+        self.history.append((step, "gossip", why))
+        level = logging.INFO if crowded != (self.policy.average_every == 0) or moved is None else logging.DEBUG
+        log.log(level, "mode='auto' at step %d: gossip (%s)", step, why)
 
     def _average_optimizer_states(self) -> None:
         """Make every optimizer state (momentum, ...) its exact average over ranks (collective)."""

@@ -28,6 +28,17 @@ The rule:
 - While the decision stays the same, each window is twice as long as the one before (up to
   ``MAX_WINDOWS`` windows): every decision is a push_pull every rank waits at, and on a slow link
   the 44 of a 440-step run cost auto 5% of gossip's time. A switch starts from one window again.
+- While gossip runs, the models are made exactly their average over ranks (through the servers,
+  the price of about one allreduce step) when they drift apart: the first time at the end of
+  gossip's first window that goes on, then every ``average_every`` gossip steps. Each exact
+  average measures how far the ranks were from it (the drift, RMS) and how far the average moved
+  since the last one, per step. When the drift is larger, the ranks disagree by more than a
+  step of training's net progress (on the plateau that progress goes to nothing; after a learning
+  rate fell it shrinks): the next comes as soon as its price is at most ``AVERAGE_SHARE`` of the
+  gossip steps between them. Otherwise the interval doubles (up to ``MAX_AVERAGE_WINDOWS``
+  windows). On emulated hosts (docs/netns.md) the ranks' own models scored up to 0.7 point apart
+  at a drift of 1e-4 while each exact average took four gossip steps. A learning rate below ``LR_DROP`` times the one
+  of the last exact average brings one at once (the next phase starts from equal models).
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
   in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
@@ -50,6 +61,9 @@ PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps a
 # allreduce step is taken to wait for it every step until allreduce is measured.
 ALLREDUCE_WAIT = 0.5
 MAX_WINDOWS = 8  # a window grows (x2 a decision that changes nothing) to this many windows' steps
+AVERAGE_SHARE = 0.1  # of gossip's time, at most, spent on exact averages while the models drift
+MAX_AVERAGE_WINDOWS = 64  # the longest interval between exact averages, in windows
+LR_DROP = 0.5  # a learning rate below this fraction of the last exact average's brings one at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +75,8 @@ class Window:
     routing_changed: bool = False  # gossip: the set of ranks it routes around changed in the window
     slow_lateness: float = 0.0  # gossip: seconds, the latest of the ranks it routes around (0: none)
     windows: int = 1  # its length, in windows (a long one: Decision.windows); a probe's counts as 1
+    average_seconds: float = 0.0  # what the last exact average took (0: none yet)
+    learning_rate: float = 0.0  # the optimizer's at the window's end (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +87,7 @@ class Decision:
     why: str
     probe: bool = False  # a short window (PROBE_FRACTION) that measures allreduce
     windows: int = 1  # the next window's length in windows (unless a probe)
+    average: bool = False  # gossip goes on from an exact average over ranks made now (then record_average)
 
 
 class AutoPolicy:
@@ -92,6 +109,10 @@ class AutoPolicy:
         self.time_in_best = 0.0  # seconds in them
         self.estimated = False  # allreduce's cost is an estimate (from gossip's slow ranks), not measured
         self.remeasured = False  # the last window re-measured gossip after its routing changed
+        self.average_cost = 0.0  # seconds, the last exact average's (0: none yet)
+        self.average_every = window  # gossip steps between exact averages (0: as often as AVERAGE_SHARE allows)
+        self.since_average = 0  # gossip steps since the models were last equal
+        self.average_lr = 0.0  # the learning rate at the last exact average (0: not known)
 
     @staticmethod
     def first() -> str:
@@ -114,18 +135,76 @@ class AutoPolicy:
         self.cost.clear()
         self.since_probe, self.time_in_best = 0, 0.0
         self.estimated = self.remeasured = False
+        self.average_every, self.since_average, self.average_lr, self.average_cost = self.window, 0, 0.0, 0.0
 
     def decide(self, window: Window) -> Decision:
         """The mode of the next window, given the one that just ended."""
+        decision = self._decide(window)
+        if decision.mode != window.mode:
+            self.since_average = 0  # a switch makes the models equal
+            self.average_lr = window.learning_rate or self.average_lr
+            return decision
+        if window.mode != "gossip":
+            return decision
+        self.since_average += self.window * window.windows
+        lr, last = window.learning_rate, self.average_lr
+        if not last:
+            self.average_lr = lr
+        if last and lr < LR_DROP * last:
+            why = f"the learning rate fell from {last:.3g} to {lr:.3g}"
+        elif self.since_average >= self.average_interval():
+            why = f"{self.since_average} gossip steps since the models were equal"
+        else:
+            return dataclasses.replace(decision, windows=self.until_average(decision.windows))
+        self.average_lr = lr or last
+        return dataclasses.replace(decision, average=True, why=f"{decision.why}; exact average: {why}")
+
+    def until_average(self, windows: int) -> int:
+        """``windows``, or fewer: the next gossip window ends when the next exact average is due."""
+        due = self.average_interval() - self.since_average
+        return max(1, min(windows, math.ceil(due / self.window)))
+
+    def average_interval(self) -> int:
+        """Gossip steps between exact averages now: ``average_every``, and at least enough that the
+        last one's price is AVERAGE_SHARE of theirs."""
+        step = self.cost.get("gossip", 0.0)
+        least = math.ceil(self.average_cost / (AVERAGE_SHARE * step)) if step > 0 else 0
+        return max(self.average_every, least, 1)
+
+    def record_average(self, drift: float, moved: float | None) -> str:
+        """Note the exact average just made on a decision: the ranks were ``drift`` from it (RMS), and
+        it moved ``moved`` (RMS; None: not known) since the last one, which was ``since_average``
+        gossip steps ago. Returns what the log says."""
+        for name, value in (("drift", drift), ("moved", 0.0 if moved is None else moved)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be finite and >= 0")
+        steps, self.since_average = max(1, self.since_average), 0
+        longest = self.window * MAX_AVERAGE_WINDOWS
+        if moved is not None and drift > moved / steps:
+            self.average_every = 0
+            why = "more than a step's progress: the next as soon as its price allows"
+        else:
+            self.average_every = min(2 * max(self.average_every, self.window), longest)
+            why = "the next after twice as many steps"
+        where = f"; the average moved {moved / steps:.3g} a step in {steps}" if moved is not None else ""
+        return f"exact average: the ranks were {drift:.3g} from it (RMS){where}: {why}"
+
+    @staticmethod
+    def _check(window: Window) -> None:
         if window.mode not in MODES:
             raise ValueError(f"window of mode {window.mode!r}: not one of {MODES}")
-        for field in ("seconds_per_step", "slow_lateness"):
+        for field in ("seconds_per_step", "slow_lateness", "average_seconds", "learning_rate"):
             value = getattr(window, field)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field}={value!r} must be finite and >= 0")
         if not 1 <= window.windows <= MAX_WINDOWS:
             raise ValueError(f"windows={window.windows!r} must be in [1, {MAX_WINDOWS}]")
+
+    def _decide(self, window: Window) -> Decision:
+        self._check(window)
         self.cost[window.mode] = window.seconds_per_step
+        if window.average_seconds > 0:
+            self.average_cost = window.average_seconds
         if window.mode == "allreduce":
             self.estimated = False
         if window.mode == "gossip" and window.routing_changed and not self.remeasured:

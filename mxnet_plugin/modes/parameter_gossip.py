@@ -290,14 +290,16 @@ class ParameterGossip:
             self.averager = self._new_averager(self.pack())
         return self.averager
 
-    def average_exactly(self) -> None:
-        """Make every rank's parameters the exact average (through the servers)."""
+    def average_exactly(self, measure: bool = False) -> float | None:
+        """Make every rank's parameters the exact average (through the servers); with ``measure``,
+        return how far the ranks were from it (RMS over ranks and elements, every rank alike)."""
         averager = self._packed_averager()
-        averager.average_exactly()
+        drift = averager.average_exactly(measure)
         if averager is self.averager:
             self._write_model(averager.model())
         else:
             self.unpack(averager.model())
+        return drift
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""
