@@ -9,12 +9,25 @@ from cluster import assert_all_ok
 from mxnet_plugin.modes.auto_policy import LR_DROP, MAX_AVERAGE_WINDOWS, AutoPolicy, Window
 
 
-def gossiping(window: int = 10) -> AutoPolicy:
-    """A policy that has measured both modes and runs gossip (20 ms a step, allreduce 100 ms)."""
+def gossiping(window: int = 10, price: float = 1e-5) -> AutoPolicy:
+    """A policy that has measured both modes and runs gossip (20 ms a step, allreduce 100 ms), and
+    an exact average's price (``price`` seconds: cheap, unless a test says)."""
     policy = AutoPolicy(reprobe_windows=10_000, window=window)
-    policy.decide(Window("gossip", 0.02))
+    policy.decide(Window("gossip", 0.02, average_seconds=price))
     assert policy.decide(Window("allreduce", 0.1)).mode == "gossip"
     return policy
+
+
+def test_no_exact_average_before_its_price_is_known_then_at_most_a_twentieth_of_gossips_time():
+    policy = AutoPolicy(reprobe_windows=10_000, window=10)
+    first = policy.decide(Window("gossip", 0.3, routing_changed=True, slow_lateness=0.6))  # gossip again
+    assert first.mode == "gossip" and not first.average and policy.average_interval() > 10 ** 18
+    second = policy.decide(Window("gossip", 0.02, slow_lateness=0.6))
+    assert second.why.startswith("allreduce not measured") and not second.average
+    # its price, before one is measured: an allreduce step (estimated: 0.3 s): 0.3 / (0.05 x 0.02) steps
+    assert policy.average_interval() == 300
+    decisions = [policy.decide(Window("gossip", 0.02, windows=8)) for _ in range(4)]
+    assert [d.average for d in decisions] == [False, False, False, True]  # 20 + 80 x 4 >= 300
 
 
 def test_the_first_exact_average_comes_at_the_first_gossip_window_that_goes_on():
@@ -53,8 +66,8 @@ def test_the_interval_doubles_to_at_most_64_windows():
 
 
 def test_drift_over_a_step_of_progress_averages_as_often_as_its_price_allows():
-    """The plateau: the average hardly moves. Each exact average costs 0.4 s against 20 ms gossip
-    steps: one every 0.4 / (0.1 x 0.02) = 200 steps keeps them at a tenth of gossip's time."""
+    """The plateau: the average hardly moves. Each exact average costs 0.2 s against 20 ms gossip
+    steps: one every 0.2 / (0.05 x 0.02) = 200 steps keeps them at a twentieth of gossip's time."""
     policy = gossiping()
     assert policy.decide(Window("gossip", 0.02)).average
     policy.record_average(1e-4, None)  # the next in 20 steps
@@ -63,12 +76,12 @@ def test_drift_over_a_step_of_progress_averages_as_often_as_its_price_allows():
     assert why.endswith("moved 0.0001 a step in 20: more than a step's progress: the next as soon as its "
                         "price allows")
     assert policy.average_every == 0
-    decision = policy.decide(Window("gossip", 0.02, windows=1, average_seconds=0.4))
+    decision = policy.decide(Window("gossip", 0.02, windows=1, average_seconds=0.2))
     assert not decision.average and policy.average_interval() == 200
     lengths = []
     while not decision.average:  # the windows grow as ever, the last one ends when the average is due
         lengths.append(decision.windows)
-        decision = policy.decide(Window("gossip", 0.02, windows=decision.windows, average_seconds=0.4))
+        decision = policy.decide(Window("gossip", 0.02, windows=decision.windows, average_seconds=0.2))
     assert lengths == [2, 4, 8, 5] and policy.since_average == 200
 
 
@@ -118,6 +131,10 @@ trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 
                                  mode="auto")
 
 class GossipOnly(AutoPolicy):  # the real rule for exact averages; gossip whatever the step times
+    def __init__(self, window):
+        super().__init__(window=window)
+        self.cost["allreduce"] = 1e-6  # as if measured, and cheap: the first exact average's price
+
     def _decide(self, window):
         super()._decide(window)
         return Decision("gossip", "the test gossips")

@@ -171,11 +171,12 @@ def test_auto_mode_does_not_measure_allreduce_across_a_slow_link() -> None:
     assert leftover_namespaces(pid) == []
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
     assert len(results) == 3 and all(r["history"] == results[0]["history"] for r in results), done.stdout
-    history = [entry for entry in results[0]["history"] if not entry[2].startswith("exact average:")]
-    assert [mode for _, mode, _ in history] == ["gossip"] * len(history), history  # allreduce never ran
+    history = results[0]["history"]
+    assert [mode for _, mode, _ in history] == ["gossip"] * 4, history  # allreduce never ran (windows: 6, 6, 6, 12)
     assert history[1][2].startswith("measuring gossip again"), history  # routing began in the first window
     assert history[2][2].startswith("allreduce not measured"), history
     assert "(estimated)" in history[3][2], history
-    assert "exact average: 6 gossip steps" in history[1][2], history  # gossip went on: the first exact average
+    # no exact average either: its price (an allreduce step's, estimated) is more than a twentieth of 30 steps
+    assert not any("exact average" in why for _, _, why in history), history
     assert "routing around slow ranks" in done.stdout + done.stderr and "rank 2's every" in done.stdout + done.stderr
     assert all(r["distance"] < 1e-6 for r in results)

@@ -29,15 +29,16 @@ The rule:
   ``MAX_WINDOWS`` windows): every decision is a push_pull every rank waits at, and on a slow link
   the 44 of a 440-step run cost auto 5% of gossip's time. A switch starts from one window again.
 - While gossip runs, the models are made exactly their average over ranks (through the servers,
-  the price of about one allreduce step) when they drift apart: the first time at the end of
-  gossip's first window that goes on, then every ``average_every`` gossip steps. Each exact
+  the price of about one allreduce step) when they drift apart: at the end of a gossip window
+  that goes on, every ``average_every`` gossip steps (one window at first). Each exact
   average measures how far the ranks were from it (the drift, RMS) and how far the average moved
   since the last one, per step. When the drift is larger, the ranks disagree by more than a
   step of training's net progress (on the plateau that progress goes to nothing; after a learning
   rate fell it shrinks): the next comes as soon as its price is at most ``AVERAGE_SHARE`` of the
-  gossip steps between them. Otherwise the interval doubles (up to ``MAX_AVERAGE_WINDOWS``
-  windows). On emulated hosts (docs/netns.md) the ranks' own models scored up to 0.7 point apart
-  at a drift of 1e-4 while each exact average took four gossip steps. A learning rate below ``LR_DROP`` times the one
+  gossip steps between them (before the first, an allreduce step is taken as its price; none
+  comes before that is measured or estimated). Otherwise the interval doubles (up to ``MAX_AVERAGE_WINDOWS``
+  windows). The share is small: on emulated hosts (docs/netns.md, the digits MLP) the ranks
+  drifted 1e-4 apart and exact averages every 30-50 steps changed no epoch's accuracy. A learning rate below ``LR_DROP`` times the one
   of the last exact average brings one at once (the next phase starts from equal models).
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
@@ -61,7 +62,8 @@ PROBE_FRACTION = 0.5  # a probe's window is this fraction of a window (3 steps a
 # allreduce step is taken to wait for it every step until allreduce is measured.
 ALLREDUCE_WAIT = 0.5
 MAX_WINDOWS = 8  # a window grows (x2 a decision that changes nothing) to this many windows' steps
-AVERAGE_SHARE = 0.1  # of gossip's time, at most, spent on exact averages while the models drift
+AVERAGE_SHARE = 0.05  # of gossip's time, at most, spent on exact averages while the models drift
+UNKNOWN_PRICE = 2 ** 62  # the interval between exact averages while their price is not known (never due)
 MAX_AVERAGE_WINDOWS = 64  # the longest interval between exact averages, in windows
 LR_DROP = 0.5  # a learning rate below this fraction of the last exact average's brings one at once
 
@@ -165,11 +167,15 @@ class AutoPolicy:
         return max(1, min(windows, math.ceil(due / self.window)))
 
     def average_interval(self) -> int:
-        """Gossip steps between exact averages now: ``average_every``, and at least enough that the
-        last one's price is AVERAGE_SHARE of theirs."""
+        """Gossip steps between exact averages now: ``average_every``, and at least enough that an
+        exact average's price is AVERAGE_SHARE of theirs. The price is the last one's; before the
+        first, an allreduce step's (a model's worth each way through the servers, as an exact
+        average), and none is due while that is not known either."""
         step = self.cost.get("gossip", 0.0)
-        least = math.ceil(self.average_cost / (AVERAGE_SHARE * step)) if step > 0 else 0
-        return max(self.average_every, least, 1)
+        price = self.average_cost or self.cost.get("allreduce", 0.0)
+        if step <= 0 or price <= 0:
+            return UNKNOWN_PRICE
+        return max(self.average_every, math.ceil(price / (AVERAGE_SHARE * step)), 1)
 
     def record_average(self, drift: float, moved: float | None) -> str:
         """Note the exact average just made on a decision: the ranks were ``drift`` from it (RMS), and
