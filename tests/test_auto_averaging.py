@@ -40,7 +40,7 @@ def test_the_first_exact_average_comes_at_the_first_gossip_window_that_goes_on()
     assert policy.average_every == 20 and policy.since_average == 0
 
 
-def test_while_the_drift_is_under_a_step_of_progress_the_interval_doubles():
+def test_while_the_drift_is_under_ten_steps_of_progress_the_interval_doubles():
     policy = gossiping()
     steps, averages = 0, []
     for _ in range(40):
@@ -48,10 +48,10 @@ def test_while_the_drift_is_under_a_step_of_progress_the_interval_doubles():
         steps += 10
         if decision.average:
             averages.append(steps)
-            policy.record_average(1e-4, 1e-2)  # more than 1e-4 a step until they are 160 steps apart
+            policy.record_average(1e-3, 1e-2)  # over 1e-4 a step (10 steps: 1e-3) until 160 steps apart
     assert averages[:5] == [10, 30, 70, 150, 310]  # 10, then 20, 40, 80, 160 steps apart
-    assert averages[5:] == [320, 340, 380]  # 6e-5 a step at 310: the next window (no price measured); then
-    # 1e-2 in 10 steps is more than the drift again: doubling
+    assert averages[5:] == [320, 340, 380]  # 6e-5 a step at 310: the next window (its price is 0.2 ms);
+    # then 1e-2 in 10 steps is more than the drift again: doubling
 
 
 def test_the_interval_doubles_to_at_most_64_windows():
@@ -65,15 +65,15 @@ def test_the_interval_doubles_to_at_most_64_windows():
     assert intervals == [20, 40, 80, 160, 320, 640, 640, 640, 640] and MAX_AVERAGE_WINDOWS == 64
 
 
-def test_drift_over_a_step_of_progress_averages_as_often_as_its_price_allows():
+def test_drift_over_ten_steps_of_progress_averages_as_often_as_its_price_allows():
     """The plateau: the average hardly moves. Each exact average costs 0.2 s against 20 ms gossip
     steps: one every 0.2 / (0.05 x 0.02) = 200 steps keeps them at a twentieth of gossip's time."""
     policy = gossiping()
     assert policy.decide(Window("gossip", 0.02)).average
     policy.record_average(1e-4, None)  # the next in 20 steps
     assert policy.decide(Window("gossip", 0.02, windows=2, average_seconds=0.004)).average  # cheap: due
-    why = policy.record_average(3e-4, 2e-3)  # the average moved 1e-4 a step: less than the drift
-    assert why.endswith("moved 0.0001 a step in 20: more than a step's progress: the next as soon as its "
+    why = policy.record_average(1.1e-3, 2e-3)  # the average moved 1e-4 a step: 10 steps are less than the drift
+    assert why.endswith("moved 0.0001 a step in 20: more than 10 steps' progress: the next as soon as its "
                         "price allows")
     assert policy.average_every == 0
     decision = policy.decide(Window("gossip", 0.02, windows=1, average_seconds=0.2))
@@ -91,7 +91,7 @@ def test_a_learning_rate_drop_brings_an_exact_average_at_once():
     policy.record_average(1e-4, None)  # next in 20 steps
     decision = policy.decide(Window("gossip", 0.02, learning_rate=0.1 * LR_DROP * 0.9))  # 10 steps: not yet due
     assert decision.average and decision.why.endswith("exact average: the learning rate fell from 0.1 to 0.045")
-    policy.record_average(1e-4, 1e-3)
+    policy.record_average(1e-3, 1e-3)  # 1e-4 a step: 10 steps are not less than the drift
     assert not policy.decide(Window("gossip", 0.02, learning_rate=0.04)).average  # not under half of 0.045
 
 
