@@ -194,8 +194,8 @@ class AutoPolicy:
             self.average_every = 0
             why = f"more than {DRIFT_STEPS} steps' progress: the next as soon as its price allows"
         else:
-            self.average_every = min(2 * max(self.average_every, self.window), longest)
-            why = "the next after twice as many steps"
+            self.average_every = min(2 * max(steps, self.window), longest)
+            why = f"the next after {self.average_every} steps at least (twice as many)"
         where = f"; the average moved {moved / steps:.3g} a step in {steps}" if moved is not None else ""
         return f"exact average: the ranks were {drift:.3g} from it (RMS){where}: {why}"
 
