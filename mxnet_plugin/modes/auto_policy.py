@@ -30,16 +30,17 @@ The rule:
   the 44 of a 440-step run cost auto 5% of gossip's time. A switch starts from one window again.
 - While gossip runs, the models are made exactly their average over ranks (through the servers,
   the price of about one allreduce step) when they drift apart: at the end of a gossip window
-  that goes on, every ``average_every`` gossip steps (one window at first). Each exact
-  average measures how far the ranks were from it (the drift, RMS) and how far the average moved
-  since the last one, per step. When the drift is over ``DRIFT_STEPS`` of those steps, the ranks
-  disagree by more than that much of training's net progress (on the plateau that progress goes to
-  nothing; after a learning rate fell it shrinks): the next comes as soon as its price is at most ``AVERAGE_SHARE`` of the
-  gossip steps between them (before the first, an allreduce step is taken as its price; none
-  comes before that is measured or estimated). Otherwise the interval doubles (up to ``MAX_AVERAGE_WINDOWS``
-  windows). The share is small: on emulated hosts (docs/netns.md, the digits MLP) exact averages
-  every 30-50 steps changed no epoch's accuracy. A learning rate below ``LR_DROP`` times the one
-  of the last exact average brings one at once (the next phase starts from equal models).
+  that goes on, every ``average_every`` gossip steps (one window at first). Each exact average
+  measures how far the ranks were from it (the drift, RMS) and how far the average moved since
+  the last one, per step. When the drift is over ``DRIFT_STEPS`` of those steps, the ranks
+  disagree by more than that much of training's net progress (on the plateau that progress goes
+  to nothing; after a learning rate fell it shrinks): the next comes as soon as its price is at
+  most ``AVERAGE_SHARE`` of the gossip steps between them (before the first, an allreduce step is
+  taken as its price; none comes before that is measured or estimated). Otherwise the interval
+  doubles (up to ``MAX_AVERAGE_WINDOWS`` windows). The share is small: on emulated hosts
+  (docs/netns.md, the digits MLP) exact averages every 30-50 steps changed no epoch's accuracy.
+  A learning rate below ``LR_DROP`` times the one of the last exact average brings one at once
+  (the next phase starts from equal models).
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
   in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
