@@ -195,13 +195,12 @@ def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
-    assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "gossip"), (6, "allreduce")]
-    # allreduce's probe is 3 steps; then a window of 6 after a switch, else 12; gossip going on at
-    # step 15 makes its first exact average there (one more entry)
-    steps = [step for step, _, _ in histories[0]]
-    assert steps == ([0, 6, 9, 15, 15] if histories[0][2][1] == "gossip" else [0, 6, 9]), histories[0]
+    # gossip's first window is decided on at the end of its second (its numbers travel meanwhile):
+    # allreduce from step 12, its probe 3 steps, decided on at once
+    assert [(step, mode) for step, mode, _ in histories[0][:2]] == [(0, "gossip"), (12, "allreduce")]
+    assert [step for step, _, _ in histories[0]] == [0, 12, 15], histories[0]
     assert "ms a step" in histories[0][2][2]
-    assert "mode='auto' at step 6: allreduce (measuring allreduce (not measured yet))" in job.dump()
+    assert "mode='auto' at step 12: allreduce (measuring allreduce (not measured yet))" in job.dump()
 
 
 @pytest.mark.timeout(240)
@@ -210,18 +209,19 @@ def test_switching_keeps_every_rank_on_one_model_where_allreduce_runs(cluster):
     the optimizer's momentum exactly their average, so that every allreduce step leaves the ranks
     bit-identical (without the momentum's average they part at the first step)."""
     job = cluster(3, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
-    done = job.run_workers(TRAIN % {"policy": ALTERNATE, "steps": 15, "hybridize": True}, timeout=220)
+    done = job.run_workers(TRAIN % {"policy": ALTERNATE, "steps": 21, "hybridize": True}, timeout=220)
     assert_all_ok(done, job)
     runs = [f.result["steps"] for f in done]
     modes = [step[0] for step in runs[0]]
-    assert modes == ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3 + ["allreduce"] * 3 + ["gossip"] * 3
+    # a gossip window is decided on at the end of the next one; an allreduce window at once
+    assert modes == ["gossip"] * 6 + ["allreduce"] * 3 + ["gossip"] * 6 + ["allreduce"] * 3 + ["gossip"] * 3
     for step, mode in enumerate(modes):
         digests = {run[step][1] for run in runs}
         if mode == "allreduce":
             assert len(digests) == 1, (step, mode)
         elif step % 3 == 2:  # the last gossip step of a window: apart (3 ranks, one round a step)
             assert len(digests) > 1, (step, mode)
-    assert all(len(f.result["history"]) == 5 for f in done)  # the first window's mode, then one a window
+    assert all([step for step, _, _ in f.result["history"]] == [0, 6, 9, 15, 18] for f in done)
 
 
 def _scripts():

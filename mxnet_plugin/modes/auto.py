@@ -5,7 +5,9 @@ as many in a window that measures allreduce; twice as many after each decision t
 nothing, up to 8 times) the ranks average what they measured (seconds per
 step; in gossip, whether the ranks it routes around changed and how late they are) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
-window (see that module for the rule). The worker's log says at INFO what it switched to and
+window (see that module for the rule). In allreduce the decision is taken at once; in gossip
+on the window before, whose push_pull travelled while this one ran (a push_pull every rank waits
+at would hold the fast ranks up for the slow ones gossip routes around). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
 MAX_HISTORY decisions.
 
@@ -42,6 +44,7 @@ from .gossip import GossipMode
 
 log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
 MAX_HISTORY = 1024  # decisions kept for mode_history (the newest)
+WINDOW_KEY = "auto_mode_window"  # the push_pull of each window's measurements
 
 
 def _state_arrays(state: Any) -> list[mx.nd.NDArray]:
@@ -79,6 +82,8 @@ class AutoMode(TrainerMode):
         self.slow_at_start: set[int] = set()  # the ranks gossip routed around when the window began
         self.average_seconds = 0.0  # what this rank's last exact average on a decision took
         self.last_average: dict[str, np.ndarray] | None = None  # the model then (host copy), for how far it moved
+        # A gossip window's measurements on their way (future, the array sent, its length in windows)
+        self.pending: tuple[Any, np.ndarray, int] | None = None
         self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
 
     @property
@@ -120,7 +125,7 @@ class AutoMode(TrainerMode):
             mode.reset_world()
         self.policy.reset()
         self.steps, self.window_start = 0, None
-        self.last_average, self.average_seconds = None, 0.0
+        self.last_average, self.average_seconds, self.pending = None, 0.0, None  # the old job's push_pull is gone
         self._use(AutoPolicy.first(), f"the job changed to {core.size()} workers: measuring again", step=0,
                   probe=AutoPolicy.short(AutoPolicy.first()))
 
@@ -148,15 +153,39 @@ class AutoMode(TrainerMode):
         return gossip.gossip.slow_links() if self.active is gossip else {}
 
     def _end_window(self, now: float) -> None:
+        """Measure the window; decide on it now in allreduce (the ranks are in step: the push_pull
+        waits for nobody), and in gossip decide on the window before it, whose numbers travelled
+        while this one ran: a push_pull every rank waits at would hold the fast ranks up for the
+        ranks gossip routes around (on one slow link, auto's first epoch took 1 s longer)."""
         assert self.window_start is not None
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
                              self.average_seconds, float(self.trainer.learning_rate)], np.float64)
-        mean = core.push_pull(measured, name="auto_mode_window", average=True)  # the same numbers on every rank
-        self._switch(self.policy.decide(Window(self.active.name, float(mean[0]), routing_changed=bool(mean[1] > 0),
-                                               slow_lateness=float(mean[2]), windows=self.windows,
-                                               average_seconds=float(mean[3]), learning_rate=float(mean[4]))))
+        if self.active.name != "gossip":
+            mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
+            self._switch(self.policy.decide(self._window(self.active.name, mean, self.windows)))
+            return
+        previous, self.pending = self.pending, None
+        decision = None
+        if previous is not None:  # taken before the next push_pull of the key starts
+            future, _, windows = previous
+            decision = self.policy.decide(self._window("gossip", core.synchronize(future), windows))
+        future = core.push_pull_async(measured, name=WINDOW_KEY, average=True)
+        if decision is not None and decision.mode != "gossip":
+            core.synchronize(future)  # a switch waits for every rank anyway; this window's numbers are of the mode left
+            self._switch(decision)
+            return
+        self.pending = (future, measured, self.windows)
+        if decision is None:  # the first gossip window since gossip began: its decision comes at the next one's end
+            self._begin_window(self.steps, probe=False, windows=self.windows)
+        else:
+            self._switch(decision)
+
+    @staticmethod
+    def _window(mode: str, mean: np.ndarray, windows: int) -> Window:
+        return Window(mode, float(mean[0]), routing_changed=bool(mean[1] > 0), slow_lateness=float(mean[2]),
+                      windows=windows, average_seconds=float(mean[3]), learning_rate=float(mean[4]))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps
