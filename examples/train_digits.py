@@ -80,7 +80,7 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
             with mx.autograd.record():
                 loss = loss_fn(net(data), label)
             loss.backward()
-            trainer.step(args.batch_size)
+            trainer.step(args.batch_size, loss=loss)  # mode="auto" follows its trend (the plateau)
             total_loss += float(loss.mean().asscalar())
             step_count += 1
             if log_every and step_count % log_every == 0:

@@ -14,6 +14,7 @@ import bps_gossip as core
 
 from .compression import parse_compression_params
 from .modes import GossipOptions, ModeSetup, TrainerMode, mode_class
+from .modes.base import step_loss
 from .parameters import (
     broadcast_initialized,
     broadcast_when_initialized,
@@ -150,9 +151,19 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._params_to_init = [param for param in self._params_to_init if not is_initialized(param)]
         broadcast_initialized([(param.name, param.list_data()) for param in ready], self.root_rank)
 
-    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
-        """One training step; ``batch_size`` is this worker's batch."""
+    def step(self, batch_size: int, ignore_stale_grad: bool = False, loss: Any = None) -> None:
+        """One training step; ``batch_size`` is this worker's batch.
+
+        ``loss`` (optional): this step's loss, an NDArray (its mean counts), a list of them (one per
+        device) or a number. ``mode='auto'`` follows its trend (on a plateau exactness may pay:
+        :mod:`mxnet_plugin.modes.auto_policy`); the other modes ignore it. An NDArray is read once a
+        window, not every step (no wait on the forward pass); a non-finite loss leaves its window's
+        trend unknown.
+        """
+        value = step_loss(loss)
         self._mode.before_step(batch_size)
+        if value is not None:
+            self._mode.observe_loss(value)
         super().step(batch_size, ignore_stale_grad)
 
     def _allreduce_grads(self) -> None:

@@ -2,8 +2,9 @@
 
 The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDOW steps (half
 as many in a window that measures allreduce; twice as many after each decision that changes
-nothing, up to 8 times) the ranks average what they measured (seconds per
-step; in gossip, whether the ranks it routes around changed and how late they are) with one push_pull and
+nothing, up to 8 times) the ranks average what they measured (seconds per step; in gossip,
+whether the ranks it routes around changed and how late they are; the loss, when ``step`` is
+given it) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
 window (see that module for the rule). In allreduce the decision is taken at once; in gossip
 on the window before, whose push_pull travelled while this one ran (a push_pull every rank waits
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -84,6 +86,8 @@ class AutoMode(TrainerMode):
         self.last_average: dict[str, np.ndarray] | None = None  # the model then (host copy), for how far it moved
         # A gossip window's measurements on their way (future, the array sent, its length in windows)
         self.pending: tuple[Any, np.ndarray, int] | None = None
+        self.loss_array: mx.nd.NDArray | None = None  # the window's losses, summed (NDArrays given)
+        self.loss_number, self.loss_steps = 0.0, 0  # the sum of numbers given; the steps that gave one
         self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
 
     @property
@@ -142,7 +146,22 @@ class AutoMode(TrainerMode):
         return self.active.consensus_distance()
 
     # -- windows ----------------------------------------------------------------------------
+    def observe_loss(self, loss: mx.nd.NDArray | float) -> None:
+        """Add the step's loss to the window's (an NDArray stays in MXNet's engine until the window ends)."""
+        if isinstance(loss, mx.nd.NDArray):
+            self.loss_array = loss if self.loss_array is None else self.loss_array + loss
+        else:
+            self.loss_number += loss
+        self.loss_steps += 1
+
+    def _window_loss(self) -> tuple[float, float]:
+        """The window's mean loss and 1, or (0, 0) when no step gave a finite one."""
+        total = self.loss_number + (float(self.loss_array.asscalar()) if self.loss_array is not None else 0.0)
+        mean = total / self.loss_steps if self.loss_steps else math.nan
+        return (mean, 1.0) if math.isfinite(mean) else (0.0, 0.0)
+
     def _begin_window(self, step: int, probe: bool, windows: int = 1) -> None:
+        self.loss_array, self.loss_number, self.loss_steps = None, 0.0, 0
         self.window_begin, self.windows = step, 1 if probe else windows
         self.window_steps = AutoPolicy.probe_steps(self.window) if probe else self.window * windows
         self.slow_at_start = set(self._slow_links())
@@ -161,7 +180,8 @@ class AutoMode(TrainerMode):
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
-                             self.average_seconds, float(self.trainer.learning_rate)], np.float64)
+                             self.average_seconds, float(self.trainer.learning_rate), *self._window_loss()],
+                            np.float64)
         if self.active.name != "gossip":
             mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
             self._switch(self.policy.decide(self._window(self.active.name, mean, self.windows)))
@@ -184,8 +204,10 @@ class AutoMode(TrainerMode):
 
     @staticmethod
     def _window(mode: str, mean: np.ndarray, windows: int) -> Window:
+        known = mean[6] >= 1.0  # every rank gave its loss (one that did not sent 0)
         return Window(mode, float(mean[0]), routing_changed=bool(mean[1] > 0), slow_lateness=float(mean[2]),
-                      windows=windows, average_seconds=float(mean[3]), learning_rate=float(mean[4]))
+                      windows=windows, average_seconds=float(mean[3]), learning_rate=float(mean[4]),
+                      loss=float(mean[5]) if known else None)
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps

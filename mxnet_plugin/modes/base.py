@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from typing import Any, Callable, ClassVar
 
 import mxnet as mx
@@ -48,6 +49,24 @@ class ModeSetup:
     registered: tuple[mx.gluon.Parameter, ...] = ()
 
 
+def step_loss(loss: Any) -> mx.nd.NDArray | float | None:
+    """``step(..., loss=)`` as one scalar: a float, or an NDArray of shape (1,) on the CPU, not yet
+    computed (MXNet's engine runs it; reading it waits). None: no loss given."""
+    if loss is None:
+        return None
+    arrays = loss if isinstance(loss, (list, tuple)) and loss else [loss]
+    if all(isinstance(array, mx.nd.NDArray) for array in arrays):
+        for array in arrays:
+            if array.size == 0:
+                raise ValueError(f"DistributedTrainer.step: loss is an empty NDArray (shape {array.shape})")
+        means = [array.astype("float32", copy=False).mean().as_in_context(mx.cpu()) for array in arrays]
+        return means[0] if len(means) == 1 else mx.nd.add_n(*means) / len(means)
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return float(loss)
+    raise TypeError(f"DistributedTrainer.step: loss must be an NDArray, a list of NDArrays (one per device) or "
+                    f"a number, got {type(loss).__name__}")
+
+
 class TrainerMode(abc.ABC):
     """One way of keeping the workers of a DistributedTrainer in agreement.
 
@@ -70,6 +89,11 @@ class TrainerMode(abc.ABC):
     @abc.abstractmethod
     def before_step(self, batch_size: int) -> None:
         """``step(batch_size)`` begins (``batch_size``: this worker's batch)."""
+
+    def observe_loss(self, loss: mx.nd.NDArray | float) -> None:
+        """The step's loss (``step(..., loss=)``; :func:`step_loss`'s form), after ``before_step``;
+        only ``mode='auto'`` uses it, the others let it go."""
+        del loss
 
     @abc.abstractmethod
     def reduce_gradients(self) -> None:
