@@ -162,8 +162,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         """
         value = step_loss(loss)
         self._mode.before_step(batch_size)
-        if value is not None:
-            self._mode.observe_loss(value)
+        self._mode.observe_loss(value)
         super().step(batch_size, ignore_stale_grad)
 
     def _allreduce_grads(self) -> None:

@@ -119,7 +119,7 @@ def digest():
 
 loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 rng = np.random.RandomState(rank)
-losses = []
+losses, refused = [], None
 for step in range(STEPS):
     x = mx.nd.array(rng.uniform(size=(2, 3, 32, 32)))
     y = mx.nd.array(rng.randint(0, 10, size=2))
@@ -129,9 +129,15 @@ for step in range(STEPS):
     if PLATEAU:
         trainer.step(2, loss=1.0)  # a loss that never falls: a plateau after 5 windows' steps
     else:
+        if step == 0:
+            try:
+                trainer.step(2, loss="0.5")  # refused before anything happens: the step is taken again
+            except TypeError as error:
+                refused = str(error)
         losses.append(float(loss.mean().asscalar()))
         trainer.step(2, loss=loss if rank == 0 else losses[-1])  # an NDArray, or a number
-report({"history": list(trainer.mode_history), "seen": seen, "sent": sent, "losses": losses, "end": digest()})
+report({"history": list(trainer.mode_history), "seen": seen, "sent": sent, "losses": losses, "end": digest(),
+        "refused": refused})
 bps.shutdown()
 """
 
@@ -149,6 +155,8 @@ def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster
     results = [f.result for f in done]
     assert results[0]["seen"] == results[1]["seen"] and len(results[0]["seen"]) >= 2
     for result in results:  # the first window is steps 0-2, the second 3-5
+        assert result["refused"] == "DistributedTrainer.step: loss must be an NDArray, a list of NDArrays (one " \
+                                    "per device) or a number, got str"
         assert result["sent"][0][1] == 1.0 and result["sent"][1][1] == 1.0
         assert result["sent"][0][0] == pytest.approx(sum(result["losses"][:3]) / 3, rel=1e-5)
         assert result["sent"][1][0] == pytest.approx(sum(result["losses"][3:6]) / 3, rel=1e-5)

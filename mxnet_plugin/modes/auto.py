@@ -146,8 +146,10 @@ class AutoMode(TrainerMode):
         return self.active.consensus_distance()
 
     # -- windows ----------------------------------------------------------------------------
-    def observe_loss(self, loss: mx.nd.NDArray | float) -> None:
+    def observe_loss(self, loss: mx.nd.NDArray | float | None) -> None:
         """Add the step's loss to the window's (an NDArray stays in MXNet's engine until the window ends)."""
+        if loss is None:
+            return
         if isinstance(loss, mx.nd.NDArray):
             self.loss_array = loss if self.loss_array is None else self.loss_array + loss
         else:

@@ -90,8 +90,8 @@ class TrainerMode(abc.ABC):
     def before_step(self, batch_size: int) -> None:
         """``step(batch_size)`` begins (``batch_size``: this worker's batch)."""
 
-    def observe_loss(self, loss: mx.nd.NDArray | float) -> None:
-        """The step's loss (``step(..., loss=)``; :func:`step_loss`'s form), after ``before_step``;
+    def observe_loss(self, loss: mx.nd.NDArray | float | None) -> None:
+        """The step's loss (``step(..., loss=)``; :func:`step_loss`'s form, None: not given), after ``before_step``;
         only ``mode='auto'`` uses it, the others let it go."""
         del loss
 
