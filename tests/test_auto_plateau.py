@@ -12,11 +12,14 @@ from mxnet_plugin.modes.auto_policy import PLATEAU_MARGIN, PLATEAU_WINDOWS, Auto
 from mxnet_plugin.modes.base import step_loss
 
 
-def measured(gossip: float = 0.055, allreduce: float = 0.1, window: int = 10) -> AutoPolicy:
-    """A policy that measured both modes (gossip 0.55x allreduce's step: gossip, off the plateau)."""
+def measured(gossip: float = 0.055, allreduce: float = 0.1, window: int = 10, drifted: bool = True) -> AutoPolicy:
+    """A policy that measured both modes (gossip 0.55x allreduce's step: gossip, off the plateau) and,
+    unless told otherwise, found the ranks drifted apart at an exact average."""
     policy = AutoPolicy(reprobe_windows=10_000, window=window)
     policy.decide(Window("gossip", gossip))
     assert policy.decide(Window("allreduce", allreduce)).mode == "gossip"
+    policy.record_average(1e-3 if drifted else 1e-5, 1e-5)  # the average moved 1e-5 a step: over / under 10
+    assert policy.drifted == drifted
     return policy
 
 
@@ -28,10 +31,20 @@ def test_a_loss_that_stops_falling_for_five_windows_is_a_plateau_where_allreduce
     decision = policy.decide(Window("gossip", 0.055, loss=1.1))  # the fifth
     assert policy.plateau() and decision.mode == "allreduce"
     assert decision.why == ("gossip 55.0 ms a step >= 0.5 x allreduce's 100.0 ms; the loss plateaued: "
-                            f"none 1% below its best 1.1 in {PLATEAU_WINDOWS * 10} steps")
+                            f"none 1% below its best 1.1 in {PLATEAU_WINDOWS * 10} steps, the ranks over 10 "
+                            "steps' progress apart")
     assert policy.decide(Window("allreduce", 0.1, loss=1.099)).mode == "allreduce"  # still on it
     progress = policy.decide(Window("allreduce", 0.1, loss=1.0))  # a new best: off the plateau
     assert not policy.plateau() and progress.mode == "gossip" and "plateau" not in progress.why
+
+
+def test_on_a_plateau_where_the_ranks_stay_close_gossips_margin_holds():
+    policy = measured(drifted=False)  # the digits MLP's case: nothing for exactness to win
+    for _ in range(PLATEAU_WINDOWS + 1):
+        decision = policy.decide(Window("gossip", 0.055, loss=1.0))
+    assert policy.plateau() and decision.mode == "gossip"
+    assert ("< 0.6 x allreduce's 100.0 ms; the loss plateaued: none 1% below its best 1 in 50 steps, the ranks "
+            "within 10 steps' progress apart") in decision.why
 
 
 def test_on_the_plateau_gossip_still_runs_where_it_is_more_than_twice_as_fast():
@@ -104,6 +117,7 @@ def watched_loss():
 mode._window_loss = watched_loss
 
 class Forced(AutoPolicy):  # the real rule on fixed step times (gossip 0.55x allreduce's), or always gossip
+    drifted = True  # as if the last exact average had found the ranks apart (an exact average is not due here)
     def _decide(self, window):
         seen.append(window.loss)
         window = dataclasses.replace(window, seconds_per_step=0.055 if window.mode == "gossip" else 0.1,
@@ -167,8 +181,9 @@ def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster
 @pytest.mark.timeout(240)
 def test_a_plateau_switches_to_allreduce_where_gossip_is_not_twice_as_fast(cluster):
     """mobilenet0.25 hybridized, 2 workers, windows of 3, the loss given as a number that never
-    falls, gossip at 0.55x allreduce's step: gossip (under 0.6x) until the loss has not fallen for
-    15 steps, then allreduce (not under 0.5x), which leaves the models equal."""
+    falls, gossip at 0.55x allreduce's step, the ranks taken to have drifted apart: gossip (under
+    0.6x) until the loss has not fallen for 15 steps, then allreduce (not under 0.5x), which leaves
+    the models equal."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
     done = job.run_workers(job_script("mobilenet0.25", 33, plateau=True), timeout=220)
     assert_all_ok(done, job)

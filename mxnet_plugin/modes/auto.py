@@ -245,10 +245,10 @@ class AutoMode(TrainerMode):
                           for key in model)
             moved = float(np.sqrt(squares / max(1, sum(value.size for value in model.values()))))
         self.last_average, self.average_seconds = model, time.perf_counter() - start
-        crowded = self.policy.average_every == 0
+        drifted = self.policy.drifted
         why = self.policy.record_average(float(drift or 0.0), moved)
         self.history.append((step, "gossip", why))
-        level = logging.INFO if crowded != (self.policy.average_every == 0) or moved is None else logging.DEBUG
+        level = logging.INFO if drifted != self.policy.drifted or moved is None else logging.DEBUG
         log.log(level, "mode='auto' at step %d: gossip (%s)", step, why)
 
     def _average_optimizer_states(self) -> None:

@@ -44,12 +44,14 @@ The rule:
 - The loss (when ``step`` is given it: ``step(batch_size, loss=loss)``): a window's is its mean over
   steps and ranks. Training is on a *plateau* when no window's loss came ``PLATEAU_THRESHOLD`` below
   the best one before it for ``PLATEAU_WINDOWS`` windows' steps (PyTorch's ReduceLROnPlateau's rule,
-  relative threshold and patience, on windows instead of epochs). There gossip counts as faster only
-  below ``PLATEAU_MARGIN`` of allreduce's step, not GOSSIP_MARGIN: the issue that asked for auto
-  measured gossip needing about twice the epochs for the last half point of accuracy, where an
-  exact average each step wins. A new best loss ends the plateau. On the digits MLP the training
-  loss fell through all 40 epochs measured (gossip's and allreduce's alike, epoch by epoch), so no
-  plateau was seen there (docs/netns.md).
+  relative threshold and patience, on windows instead of epochs). On a plateau where the last exact
+  average found the ranks *drifted* (over DRIFT_STEPS steps of progress apart), gossip counts as
+  faster only below ``PLATEAU_MARGIN`` of allreduce's step, not GOSSIP_MARGIN: the issue that asked
+  for auto saw gossip need about twice the epochs for the last half point of accuracy, where an
+  exact average each step wins. Both conditions, because on the digits MLP (docs/netns.md) gossip's
+  training loss was allreduce's epoch by epoch, on the plateau too (hidden 16 and 2048, 40 epochs),
+  with the ranks 1-4 steps apart: without drift there is nothing for exactness to win. A new best
+  loss ends the plateau.
 - The mode not running is measured again (the network, and with it what each mode costs,
   changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
   in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
@@ -268,6 +270,7 @@ class AutoPolicy:
         if self.plateau():
             why += (f"; the loss plateaued: none {PLATEAU_THRESHOLD:.0%} below its best {self.best_loss:.4g} "
                     f"in {self.since_best} steps")
+            why += f", the ranks {'over' if self.drifted else 'within'} {DRIFT_STEPS} steps' progress apart"
         return Decision(best, why, windows=min(2 * window.windows, MAX_WINDOWS) if window.mode == best else 1)
 
     def _probe_seconds(self, mode: str) -> float:
@@ -289,8 +292,13 @@ class AutoPolicy:
         else:
             self.since_best += self.window * window.windows
 
+    @property
+    def drifted(self) -> bool:
+        """Whether the last exact average found the ranks over DRIFT_STEPS steps' progress apart."""
+        return self.average_every == 0
+
     def _margin(self) -> float:
-        return min(self.margin, PLATEAU_MARGIN) if self.plateau() else self.margin
+        return min(self.margin, PLATEAU_MARGIN) if self.plateau() and self.drifted else self.margin
 
     def _best(self) -> str:
         return "gossip" if self.cost["gossip"] < self._margin() * self.cost["allreduce"] else "allreduce"
