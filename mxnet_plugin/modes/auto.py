@@ -206,7 +206,8 @@ class AutoMode(TrainerMode):
 
     @staticmethod
     def _window(mode: str, mean: np.ndarray, windows: int) -> Window:
-        known = mean[6] >= 1.0  # every rank gave its loss (one that did not sent 0)
+        # Every rank gave its loss (one that did not sent 0); a mean that overflowed is no trend either
+        known = mean[6] >= 1.0 - 1e-9 and math.isfinite(mean[5])
         return Window(mode, float(mean[0]), routing_changed=bool(mean[1] > 0), slow_lateness=float(mean[2]),
                       windows=windows, average_seconds=float(mean[3]), learning_rate=float(mean[4]),
                       loss=float(mean[5]) if known else None)
