@@ -143,6 +143,8 @@ for step in range(STEPS):
     if PLATEAU:
         trainer.step(2, loss=1.0)  # a loss that never falls: a plateau after 5 windows' steps
     else:
+        if step == 9 and rank == 1:
+            mode.average_seconds = -1.0  # a lie: no window after this one can be decided on
         if step == 0:
             try:
                 trainer.step(2, loss="0.5")  # refused before anything happens: the step is taken again
@@ -162,7 +164,8 @@ def job_script(model: str, steps: int, plateau: bool) -> str:
 
 @pytest.mark.timeout(240)
 def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster):
-    """resnet18_v1 hybridized, 2 workers, windows of 3 steps, gossip throughout."""
+    """resnet18_v1 hybridized, 2 workers, windows of 3 steps, gossip throughout; from step 9 one rank
+    sends a negative number (a lie): the windows then go undecided, gossip goes on, nothing stops."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
     done = job.run_workers(job_script("resnet18_v1", 15, plateau=False), timeout=220)
     assert_all_ok(done, job)
@@ -174,6 +177,9 @@ def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster
         assert result["sent"][0][1] == 1.0 and result["sent"][1][1] == 1.0
         assert result["sent"][0][0] == pytest.approx(sum(result["losses"][:3]) / 3, rel=1e-5)
         assert result["sent"][1][0] == pytest.approx(sum(result["losses"][3:6]) / 3, rel=1e-5)
+    unusable = [(step, why) for step, _, why in results[0]["history"] if "not usable" in why]
+    assert unusable and unusable[0][1] == ("gossip goes on: the window's measurements are not usable "
+                                           "(average_seconds=-0.5 must be finite and >= 0)"), results[0]["history"]
     for index, loss in enumerate(results[0]["seen"]):  # decided on in order: no switch, none dropped
         assert loss == pytest.approx((results[0]["sent"][index][0] + results[1]["sent"][index][0]) / 2, rel=1e-9)
 

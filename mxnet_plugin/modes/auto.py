@@ -186,13 +186,13 @@ class AutoMode(TrainerMode):
                             np.float64)
         if self.active.name != "gossip":
             mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
-            self._switch(self.policy.decide(self._window(self.active.name, mean, self.windows)))
+            self._switch(self._decide(self.active.name, mean, self.windows))
             return
         previous, self.pending = self.pending, None
         decision = None
         if previous is not None:  # taken before the next push_pull of the key starts
             future, _, windows = previous
-            decision = self.policy.decide(self._window("gossip", core.synchronize(future), windows))
+            decision = self._decide("gossip", core.synchronize(future), windows)
         future = core.push_pull_async(measured, name=WINDOW_KEY, average=True)
         if decision is not None and decision.mode != "gossip":
             core.synchronize(future)  # a switch waits for every rank anyway; this window's numbers are of the mode left
@@ -203,6 +203,15 @@ class AutoMode(TrainerMode):
             self._begin_window(self.steps, probe=False, windows=self.windows)
         else:
             self._switch(decision)
+
+    def _decide(self, mode: str, mean: np.ndarray, windows: int) -> Decision:
+        """The policy's decision on a window's measurements (averaged over ranks); where their mean is
+        one no honest rank sends (negative, not finite: a rank lied), ``mode`` goes on, on every rank."""
+        try:
+            return self.policy.decide(self._window(mode, mean, windows))
+        except ValueError as error:
+            log.warning("mode='auto' at step %d: a window's measurements are not usable (%s)", self.steps, error)
+            return Decision(mode, f"{mode} goes on: the window's measurements are not usable ({error})")
 
     @staticmethod
     def _window(mode: str, mean: np.ndarray, windows: int) -> Window:
