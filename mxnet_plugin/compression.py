@@ -8,11 +8,13 @@ from the optimizer), ``scaling`` (onebit), ``k`` (topk and randomk: elements kep
 partition, below 1 a fraction; dithering: levels), ``seed``, ``partition`` (linear,
 natural) and ``normalize`` (max, l2) for dithering, and ``fp16`` (push float16). Empty
 or false values mean off, so BytePS's examples, which always pass every key, run
-uncompressed when asked for nothing.
+uncompressed when asked for nothing. Any other key is an error (a misspelled key would
+otherwise train uncompressed without a word).
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,8 @@ import numpy as np
 
 from bps_gossip.compression import CODECS, CompressionSpec
 
+# Every key byteps.mxnet's DistributedTrainer reads from compression_params (and nothing else).
+KNOWN_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition", "normalize", "fp16")
 _CHOICES = {"ef": ("vanilla",), "momentum": ("nesterov",), "partition": ("linear", "natural"),
             "normalize": ("max", "l2")}
 
@@ -66,6 +70,19 @@ def _text(params: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def check_keys(params: Mapping[Any, Any]) -> None:
+    """ValueError naming every key of ``params`` that is not in :data:`KNOWN_KEYS`, each with
+    the closest known key, and the known ones."""
+    unknown = []
+    for key in params:
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(key.lower(), KNOWN_KEYS, n=1) if isinstance(key, str) else []
+            unknown.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if unknown:
+        raise ValueError(f"compression_params: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"known keys: {', '.join(KNOWN_KEYS)}")
+
+
 def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params: dict[str, Any]
                              ) -> tuple[CompressionSpec | None, bool]:
     """(compressor spec or None, fp16) from BytePS's ``compression_params``.
@@ -77,6 +94,7 @@ def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params:
         return None, False
     if not isinstance(params, Mapping):
         raise TypeError(f"compression_params must be a dict, got {type(params).__name__}")
+    check_keys(params)
     fp16 = bool(params.get("fp16"))
     compressor = _text(params, "compressor")
     ef, momentum = _text(params, "ef"), _text(params, "momentum")
