@@ -28,7 +28,8 @@ Usage (see docs/elastic.md and examples/train_digits_elastic.py)::
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import mxnet as mx
 import numpy as np
@@ -36,7 +37,9 @@ import numpy as np
 import bps_gossip as core
 from bps_gossip.compat import zip_exact
 from bps_gossip.elastic import ElasticSampler as _CoreSampler
-from bps_gossip.elastic import ObjectState, broadcast_object, run
+from bps_gossip.elastic import ObjectState, broadcast_object
+from bps_gossip.elastic import run as _core_run
+from bps_gossip.elastic.comm import Comm
 
 from . import overlap
 from .ops import to_device, to_host
@@ -44,6 +47,28 @@ from .parameters import broadcast_initialized, is_initialized
 from .trainer import DistributedTrainer
 
 __all__ = ["ElasticSampler", "GluonState", "run"]
+
+Result = TypeVar("Result")
+
+
+def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..., Result]:
+    """:func:`bps_gossip.elastic.run` for Gluon: the same retry loop, where a push_pull that
+    failed inside MXNet's engine is known by its own error wherever it surfaces. A read of an
+    array computed from it (the loss, the weights) raises ``MXNetError``; the error behind it (a
+    WorkersChangedError when a worker died or joins) is raised in its place, so that the ranks
+    reset and go on as when the next step raises it."""
+
+    @functools.wraps(func)
+    def attempt(*args: Any, **kwargs: Any) -> Result:
+        try:
+            return func(*args, **kwargs)
+        except mx.base.MXNetError as exc:
+            error = overlap.take_pending_error()
+            if error is None:
+                raise
+            raise error from exc
+
+    return _core_run(attempt, comm=comm)
 
 
 class ElasticSampler(_CoreSampler, mx.gluon.data.Sampler):

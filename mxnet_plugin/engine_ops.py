@@ -10,9 +10,9 @@ later reader or writer until the function's completion callback is called, from 
 thread: 2-3 us a call, and no thread waits on the network.
 
 :func:`push_async` wraps it. The function gets a ``done`` callable and must call it
-exactly once (it is called for it if the function raises). MXNet's callback cannot
-carry an error from Python, so a failed operation is reported by its caller's own
-means (see :mod:`mxnet_plugin.overlap`).
+exactly once, with the error if the operation failed (it is called for it if the function
+raises): MXNet then keeps the error on the arrays the operation writes, and the next wait on
+them or on anything computed from them raises it (:mod:`mxnet_plugin.engine_errors`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ import ctypes
 import itertools
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import mxnet as mx
 from mxnet.base import _LIB, check_call
 
+from .engine_errors import engine_error
+
 log = logging.getLogger("bps_gossip.mxnet_plugin")
 
-Done = Callable[[], None]
+Done = Callable[[Optional[BaseException]], None]  # done(None), or done(error) for a failure
 Work = Callable[[Done], None]
 
 _ASYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
@@ -48,15 +50,20 @@ _tokens = itertools.count(1)
 
 
 def _completion(on_complete: int) -> Done:
-    """A callable that completes the operation once (the engine's callback is copied: it
-    lives on the stack of the call that hands it over)."""
+    """A callable that completes the operation once, with an error or not (the engine's
+    callback is copied: it lives on the stack of the call that hands it over)."""
     words = ctypes.cast(on_complete, ctypes.POINTER(ctypes.c_void_p * _CALLBACK_WORDS)).contents
     function, engine, block = words[0], words[1], words[2]
     called = threading.Lock()
 
-    def done() -> None:
-        if called.acquire(blocking=False):
+    def done(error: BaseException | None = None) -> None:
+        if not called.acquire(blocking=False):
+            return
+        if error is None:
             _COMPLETE(function)(engine, block, None)
+            return
+        with engine_error(f"{type(error).__name__}: {error}") as carried:
+            _COMPLETE(function)(engine, block, carried)
 
     return done
 
@@ -67,13 +74,13 @@ def _run(run_context: int, on_complete: int, token: int) -> None:
     with _work_lock:
         work = _work.pop(token or 0, None)
     if work is None:  # cannot happen; never leave the engine waiting
-        done()
+        done(None)
         return
     try:
         work(done)
-    except BaseException:  # noqa: BLE001 - the work reports its own errors; the engine must go on
+    except BaseException as exc:  # noqa: BLE001 - the work reports its own errors; the engine must go on
         log.exception("an operation queued in MXNet's engine raised")
-        done()
+        done(exc)
 
 
 _RUN = _ASYNC_FUNC(_run)  # one trampoline for every operation, alive as long as the module

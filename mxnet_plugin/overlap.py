@@ -15,11 +15,14 @@ before they are queued, see ``mxnet_plugin.layouts``): no ``asnumpy`` and no cop
 The copies left on the hot path are the transport's: into the shared-memory segment (or
 the ZeroMQ frame) on the way out, and from it into the gradient on the way back.
 
-Errors: MXNet's completion callback cannot carry an error from Python, so a push_pull
-that fails fills its output with NaN (floating point: nothing trained on it can pass for
-a model), the exception is logged at once and kept, and the next call that starts a
-push_pull of this module (the next ``trainer.step()``, ``kvstore.pushpull``) or
-:func:`raise_pending_error` raises it, naming the tensor.
+Errors: a push_pull that fails completes its operation with the error
+(:mod:`mxnet_plugin.engine_errors`): the next wait on its output or on anything computed
+from it (the updated weights, the next loss) raises ``MXNetError`` with the error's message.
+It also fills its output with NaN (floating point: nothing trained on it can pass for a
+model), logs the exception at once and keeps it: the next call that starts a push_pull of
+this module (the next ``trainer.step()``, ``kvstore.pushpull``), ``bps.shutdown()`` or
+:func:`raise_pending_error` raises it, naming the tensor, and if none does, the process
+exits with status 1 instead of 0.
 
 ``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or ``overlap_backward=False`` where offered) turns
 this off: the caller then waits for each gradient and copies it through host buffers.
@@ -27,9 +30,12 @@ this off: the caller then waits for each gradient and copies it through host buf
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import logging
 import os
+import sys
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -41,7 +47,7 @@ import bps_gossip as core
 from bps_gossip.api import wait_timeout
 from bps_gossip.config import env_flag
 
-from .engine_ops import push_async
+from .engine_ops import Done, push_async
 from .layouts import make_default, raw_view
 
 ENV = "BPS_GOSSIP_OVERLAP_BACKWARD"
@@ -83,6 +89,8 @@ class _Rounds:
         self.raise_error()
         event = threading.Event()
         with self._lock:
+            if not self.used:
+                atexit.register(_exit_if_failed)  # after bps_gossip's own exit hook: runs before it
             self.used = True
             self._done[name] = event
             round_id = str(next(self._ids))
@@ -109,12 +117,19 @@ class _Rounds:
                   "raise MXNetError when waited for, and the next push_pull call raises this error",
                   name, type(error).__name__, error)
 
-    def raise_error(self) -> None:
-        """Raise the kept error once; forget rounds that will never run after it."""
+    def take_error(self) -> BaseException | None:
+        """The kept error, forgotten here and in MXNet's engine (None if there is none)."""
         with self._lock:
             error, self._error = self._error, None
             if error is not None:
                 self._done.clear()  # rounds downstream of a failure are skipped by MXNet
+        if error is not None:
+            drain()  # waitall clears the copy MXNet keeps: arrays written later (a restore) read again
+        return error
+
+    def raise_error(self) -> None:
+        """Raise the kept error once; forget rounds that will never run after it."""
+        error = self.take_error()
         if error is not None:
             raise error
 
@@ -135,14 +150,41 @@ def drain() -> None:
         pass
 
 
+def _exit_if_failed() -> None:
+    """At the interpreter's exit: let queued push_pulls finish; if one failed and its error
+    never reached the script (no later push_pull, no ``bps.shutdown()``), say so and exit with
+    status 1, so that a rank whose weights are not trained never exits 0 and bpslaunch fails
+    the job with it. A script that is already dying of an exception keeps its own status."""
+    drain()
+    error = _rounds.take_error()
+    if error is None or hasattr(sys, "last_value"):
+        return
+    log.error("exiting with status 1: this rank's parameters are not trained: a push_pull failed inside "
+              "MXNet's engine (%s, logged above) and nothing raised it since (no later push_pull, no "
+              "bps.shutdown())", type(error).__name__)
+    with contextlib.suppress(Exception):
+        core.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(1)  # an exit hook cannot change the exit status otherwise
+
+
 def raise_pending_error() -> None:
     """Raise the error of a push_pull that failed inside MXNet's engine, if any (once)."""
     _rounds.raise_error()
 
 
+def take_pending_error() -> BaseException | None:
+    """The error of a push_pull that failed inside MXNet's engine, if any (once), not raised:
+    for a caller that caught the ``MXNetError`` it caused and wants its own type back."""
+    return _rounds.take_error()
+
+
 def poison(array: np.ndarray) -> None:
     """Fill a result that failed with NaN (floating point), so that nothing trained on it can
-    pass for a model: MXNet's completion callback cannot carry the error itself."""
+    pass for a model, also where MXNet's engine cannot carry the error (another build)."""
     if array.dtype.kind in "fc":
         array.fill(np.nan)
 
@@ -158,7 +200,7 @@ def run_push_pull(name: str, round_id: str, reads: list[mx.nd.NDArray], writes: 
     """
     event = _rounds.claim(round_id)
 
-    def settle(future: Future | None, error: BaseException | None, done: Callable[[], None]) -> None:
+    def settle(future: Future | None, error: BaseException | None, done: Done) -> None:
         try:
             error = error if future is None else future.exception()
             if error is not None:
@@ -166,12 +208,13 @@ def run_push_pull(name: str, round_id: str, reads: list[mx.nd.NDArray], writes: 
             finish(error is None)
         except BaseException as exc:  # noqa: BLE001 - a failure here must still release the engine
             _rounds.fail(name, exc)
+            error = error or exc
         finally:
-            done()
+            done(error)
             if event is not None:
                 event.set()
 
-    def work(done: Callable[[], None]) -> None:
+    def work(done: Done) -> None:
         try:
             future = start()
         except BaseException as exc:  # noqa: BLE001 - refused at once (layout, shape, shutdown)

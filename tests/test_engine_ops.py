@@ -1,8 +1,9 @@
 """mxnet_plugin.engine_ops: work queued in MXNet's engine through MXEnginePushAsyncND.
 
 In one process, no cluster: the work runs after earlier writes to its arrays, later readers
-wait until ``done()`` is called (from another thread, as the core's engine thread does), and
-work that raises still releases the engine (a wait returns instead of hanging).
+wait until ``done()`` is called (from another thread, as the core's engine thread does), work
+that raises still releases the engine (a wait raises its error instead of hanging), and an error
+given to ``done`` fails the next wait on the arrays written and on what is computed from them.
 """
 
 from __future__ import annotations
@@ -70,8 +71,30 @@ def test_work_that_raises_still_releases_the_engine():
         raise RuntimeError("boom")
 
     push_async(work, [], [array], "raises")
-    assert np.all((array + 1).asnumpy() == 2)  # returns: the operation was completed for it
+    with pytest.raises(mx.base.MXNetError, match="RuntimeError: boom"):  # completed for it, with its error
+        (array + 1).asnumpy()
     mx.nd.waitall()
+    assert np.all((array + 1).asnumpy() == 2)  # the error was raised once; the array reads again
+
+
+@pytest.mark.timeout(60)
+def test_an_error_given_to_done_fails_the_next_read_of_everything_computed_from_it():
+    """Issue 33, item 1: a failed push_pull must fail the next read of its arrays (MXNet keeps the
+    error on the arrays the operation writes and passes it on to what is computed from them)."""
+    array, untouched = mx.nd.ones((4,)), mx.nd.ones((4,))
+
+    def work(done):
+        threading.Thread(target=done, args=(ConnectionError("rank 0 left"),)).start()
+
+    push_async(work, [], [array], "fails")
+    downstream = array * 2 + 1
+    assert np.all(untouched.asnumpy() == 1)  # arrays that do not depend on it read as usual
+    with pytest.raises(mx.base.MXNetError, match="ConnectionError: rank 0 left"):
+        downstream.asnumpy()
+    push_async(lambda done: threading.Thread(target=done, args=(RuntimeError("again"),)).start(), [], [array], "x")
+    with pytest.raises(mx.base.MXNetError, match="RuntimeError: again"):
+        mx.nd.waitall()  # as for MXNet's own failed operators
+    assert np.all(array.asnumpy() == 1)
 
 
 @pytest.mark.timeout(60)

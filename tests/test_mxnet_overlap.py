@@ -103,6 +103,7 @@ trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 
 check("overlap is the default", trainer.overlap_backward)
 # the first step's broadcast would already fail on the shapes: skip it to reach the gradients
 trainer._params_to_init = []
+initial = net.weight.data().asnumpy()
 start = time.monotonic()
 caught = []
 for step in range(3):  # no waits of our own: the next step() must raise the kept error
@@ -115,9 +116,10 @@ for step in range(3):  # no waits of our own: the next step() must raise the kep
         caught.append([step, type(exc).__name__, str(exc), time.monotonic() - start])
         break
 out["caught"] = caught
-# the failure poisons what depends on it: the gradient is NaN, so the weight updated from it
-# is NaN too (a wait returns instead of hanging, and nothing passes for a trained model)
-out["weight_nan"] = bool(np.isnan(net.weight.data().asnumpy()).all())
+# MXNet's engine carried the failure: the update from the failed gradient was skipped (the weight
+# is as before the failed step, not trained on a wrong sum), and once step() raised the error a
+# wait on the weight returns instead of raising it again
+out["weight_kept"] = bool((net.weight.data().asnumpy() == initial).all())
 # and the process goes on: a fresh push_pull works
 probe = mx.nd.ones((2,))
 bps.byteps_push_pull(probe, name="after_overlap_mismatch", is_average=False)
@@ -141,5 +143,5 @@ def test_overlap_mismatch_raises_on_every_rank(cluster):
         assert "mismatched_weight" in msg and "(3, 4)" in msg and "(4, 4)" in msg, msg
         assert step == 1, f"rank {r['rank']}: raised at step {step}, expected the step after the failure"
         assert seconds < 8, f"rank {r['rank']} waited {seconds:.1f} s"
-        assert r["weight_nan"], "a weight computed from the failed gradient is not poisoned"
+        assert r["weight_kept"], "the weight was updated from the failed gradient"
     job.wait_servers_exit()

@@ -40,6 +40,11 @@ from .outbox import Outbox
 from .pool import SumPool
 from .rounds import Rounds
 
+# Why a round fails when a worker shut down before pushing to it: usually a loop that ends early on
+# one rank (an off-by-one in a data split), which users should hear about, not only "left".
+LEFT_BEFORE_ROUND = ("left the job before pushing to this round (if it finished its training loop, the ranks "
+                     "took different numbers of steps)")
+
 
 class Server:
     """A server process: registration, the push/sum/reply loop, and its shutdown."""
@@ -118,8 +123,8 @@ class Server:
     def _on_node_gone(self, _route: Any, msg: NodeLost | NodeLeft, _frames: list) -> None:
         self.last_ack = time.monotonic()
         if msg.role == "worker":
-            self.rounds.worker_gone(msg.describe("was lost" if isinstance(msg, NodeLost) else "left the job"),
-                                    msg.rank)
+            how = "was lost" if isinstance(msg, NodeLost) else LEFT_BEFORE_ROUND
+            self.rounds.worker_gone(msg.describe(how), msg.rank)
 
     def _on_changed(self, _route: Any, msg: Changed, _frames: list) -> None:
         self.last_ack = time.monotonic()
