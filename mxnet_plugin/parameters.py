@@ -4,7 +4,8 @@ Gluon parameters whose shapes are unknown until the first forward get the broadc
 injected into their initialization: their ``_init_impl`` (which Gluon calls right after
 it learns the shapes, see mxnet/gluon/parameter.py) is wrapped so that, once the
 values exist, they are replaced by root's. Every rank then holds root's values right
-after its first forward, whatever seed each rank used.
+after its first forward, whatever seed each rank used, and the trainer's first step does not
+broadcast them again (:func:`take_hook_broadcast`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import mxnet as mx
+from mxnet.gluon.parameter import DeferredInitializationError
 
 import bps_gossip as core
+from bps_gossip.errors import BpsGossipError
 
 from .ops import broadcast_async, finish_push_pull
 
@@ -39,8 +42,20 @@ def broadcast_initialized(params: list[tuple[str, list[mx.nd.NDArray]]], root_ra
     """Broadcast root's value of each (name, copies) into every copy; all start before any waits."""
     pending = [(broadcast_async(copies[0], PARAMETER_PREFIX + name, root_rank), copies)
                for name, copies in params]
-    for started, copies in pending:
-        finish_push_pull(started, copies)
+    try:
+        for started, copies in pending:
+            finish_push_pull(started, copies)
+    except BpsGossipError as exc:
+        # The message names the tensor, the ranks and what each pushed; the frames below this one
+        # are only the wait for the reply (futures, the engine), so the user's traceback ends here.
+        raise exc.with_traceback(None)
+
+
+def take_hook_broadcast(param: mx.gluon.Parameter, root_rank: int) -> bool:
+    """True if ``param``'s deferred initialization already broadcast its current values from
+    ``root_rank`` (:func:`broadcast_when_initialized`); forgets it, so that it counts once."""
+    done = param.__dict__.pop("_bps_hook_broadcast", None)
+    return done is not None and done[0] == root_rank and done[1] is param._data
 
 
 def broadcast_when_initialized(param: mx.gluon.Parameter, root_rank: int) -> None:
@@ -53,7 +68,16 @@ def broadcast_when_initialized(param: mx.gluon.Parameter, root_rank: int) -> Non
         original(data, ctx_list)
         del param._init_impl  # back to the class's method: later re-initializations are local
         param._bps_broadcast_hooked = False
-        broadcast_initialized([(param.name, param.list_data())], root_rank)
+        try:
+            broadcast_initialized([(param.name, param.list_data())], root_rank)
+        except Exception as exc:
+            # Gluon initializes inside its own `except DeferredInitializationError` (Block.forward):
+            # that control-flow exception, chained before ours, would add a traceback that says nothing.
+            if isinstance(exc.__context__, DeferredInitializationError):
+                exc.__suppress_context__ = True
+            raise
+        # The values (this very list of arrays) are root's: a re-initialization makes a new list.
+        param._bps_hook_broadcast = (root_rank, param._data)
 
     param._init_impl = init_then_broadcast
     param._bps_broadcast_hooked = True

@@ -20,6 +20,7 @@ from .parameters import (
     broadcast_when_initialized,
     check_root_rank,
     is_initialized,
+    take_hook_broadcast,
 )
 
 MODES = core.config.TRAINER_MODES
@@ -146,9 +147,11 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._params_to_init = [param for param in self._params if not is_initialized(param)]
 
     def _init_params(self) -> None:
-        """Broadcast every initialized parameter that has not been broadcast yet."""
+        """Broadcast every initialized parameter that has not been broadcast yet: a deferred one
+        was broadcast by its initialization in the first forward, and is not broadcast again."""
         ready = [param for param in self._params_to_init if is_initialized(param)]
         self._params_to_init = [param for param in self._params_to_init if not is_initialized(param)]
+        ready = [param for param in ready if not take_hook_broadcast(param, self.root_rank)]
         broadcast_initialized([(param.name, param.list_data()) for param in ready], self.root_rank)
 
     def step(self, batch_size: int, ignore_stale_grad: bool = False, loss: Any = None) -> None:
