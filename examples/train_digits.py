@@ -5,6 +5,8 @@ with mxnet_plugin's DistributedTrainer, by gossip (SGP), by allreduce, or both.
 
 Every rank initializes with its own seed (the first step broadcasts rank 0's weights),
 trains on its own shard of the training set, and prints its loss and accuracy per epoch.
+Rank 0 also shows a progress bar on stderr when that is a terminal (not under bpslaunch,
+whose workers write into pipes, nor into a log), and never on a line of its own output.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     steps_per_epoch = len(x_shard) // args.batch_size
     history: list[dict[str, float]] = []
     start, step_count = time.time(), 0
-    # One bar on rank 0 (the others print their epoch lines only), one update per epoch.
-    bar = tqdm(total=args.epochs, desc=f"{mode} epochs", unit="epoch", disable=rank != 0, file=sys.stderr,
-               ascii=True)
+    # One bar on rank 0, one update per epoch, only on a terminal (disable=None): in a pipe or a
+    # log its carriage returns would put the next line behind the bar's text.
+    bar = tqdm(total=args.epochs, desc=f"{mode} epochs", unit="epoch", disable=None if rank == 0 else True,
+               file=sys.stderr, ascii=True)
     for epoch in range(args.epochs):
         order = rng.permutation(len(x_shard))
         total_loss = 0.0
@@ -92,8 +95,8 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
         trainer.flush()
         epoch_accuracy = accuracy(net, x_test, y_test)
         running = f" ({trainer.active_mode} now)" if mode == "auto" else ""
-        print(f"rank {rank} {mode} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
-              f"test accuracy {epoch_accuracy:.4f}{running}", flush=True)
+        say(f"rank {rank} {mode} epoch {epoch + 1}/{args.epochs}: loss {total_loss / steps_per_epoch:.4f} "
+            f"test accuracy {epoch_accuracy:.4f}{running}")
         if getattr(args, "log_json", None):
             log_epoch(args.log_json, {"rank": rank, "size": size, "mode": mode, "epoch": epoch + 1,
                                       "steps": step_count, "started": started, "time": time.time(),
@@ -105,6 +108,13 @@ def train(args: argparse.Namespace, mode: str, log_every: int = 0) -> dict[str, 
     final = accuracy(net, x_test, y_test)
     return {"mode": mode, "accuracy": final, "consensus_distance": distance, "steps": step_count,
             "seconds": time.time() - start, "history": history, "mode_history": trainer.mode_history}
+
+
+def say(line: str) -> None:
+    """Print ``line`` whole: tqdm.write takes the progress bar off the terminal first and
+    redraws it after, so that the two never share a line."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def compression_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,9 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
     parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "both"],
-                        default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "gossip",
-                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip; auto: whichever "
-                             "trains faster here, measured while training")
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip (allreduce with "
+                             "--fp16-pushpull); auto: whichever trains faster here, measured while training")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -148,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--onebit-scaling", action="store_true", help="onebit: scale by the mean magnitude")
     gc.add_argument("--k", type=float, default=1, help="topk/randomk: elements kept (below 1: a fraction); "
                                                        "dithering: levels")
-    gc.add_argument("--fp16-pushpull", action="store_true", help="push gradients as float16")
+    gc.add_argument("--fp16-pushpull", action="store_true",
+                    help="push gradients as float16 (allreduce: the mode without --mode or BPS_GOSSIP_MODE)")
     gc.add_argument("--seed-compress", type=int, help="randomk/dithering: seed of the random draws")
     gc.add_argument("--partition", default="", help="dithering: linear or natural")
     gc.add_argument("--normalize", default="", help="dithering: max or l2")
@@ -160,10 +170,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def choose_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``--mode``, else BPS_GOSSIP_MODE (bpslaunch --mode), else gossip. Only allreduce pushes
+    gradients, so --fp16-pushpull picks it where no mode was chosen (or gossip came from
+    BPS_GOSSIP_MODE, as DistributedTrainer does), and with another mode it is a usage error
+    (exit 2) before the job starts."""
+    given = os.environ.get("BPS_GOSSIP_MODE", "").strip().lower()
+    mode = args.mode or given or "gossip"
+    if args.fp16_pushpull and mode != "allreduce":
+        if args.mode is None and given in ("", "gossip"):
+            return "allreduce"
+        where = f"--mode {args.mode}" if args.mode else f"BPS_GOSSIP_MODE={given}"
+        parser.error(f"--fp16-pushpull pushes gradients as float16, which only mode allreduce does, not {where} "
+                     f"(in gossip mode, --compressor compresses the messages)")
+    return mode
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train and report; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.mode = choose_mode(parser, args)
     bps.init()
+    if args.fp16_pushpull and bps.rank() == 0:
+        print("--fp16-pushpull: gradients pushed as float16, mode allreduce", flush=True)
     modes = ["gossip", "allreduce"] if args.mode == "both" else [args.mode]
     results = [train(args, mode) for mode in modes]
     for result in results:
