@@ -192,12 +192,16 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     return raw.lower()
 
 
+# Everything BPS_GOSSIP_HOST_REDUCE accepts (its error and README's table list them): modes, then booleans.
+HOST_REDUCE_VALUES = (*HOST_REDUCE_MODES, *(v for v in (*_TRUE, *_FALSE) if v and v not in HOST_REDUCE_MODES))
+
+
 def _host_reduce(env: Mapping[str, str]) -> str:
     """BPS_GOSSIP_HOST_REDUCE: auto (default), on or off; a boolean means on or off."""
-    raw = _get(env, "BPS_GOSSIP_HOST_REDUCE")
-    if raw is not None and raw.strip().lower() not in HOST_REDUCE_MODES:
-        return "on" if env_flag(env, "BPS_GOSSIP_HOST_REDUCE", False) else "off"
-    return _choice(env, "BPS_GOSSIP_HOST_REDUCE", HOST_REDUCE_MODES)
+    raw = _get(env, "BPS_GOSSIP_HOST_REDUCE") or "auto"
+    if raw.lower() not in HOST_REDUCE_VALUES:
+        raise ConfigError(f"BPS_GOSSIP_HOST_REDUCE={raw!r} must be one of {', '.join(HOST_REDUCE_VALUES)}")
+    return raw.lower() if raw.lower() in HOST_REDUCE_MODES else ("on" if raw.lower() in _TRUE else "off")
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

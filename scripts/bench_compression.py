@@ -1,6 +1,6 @@
 """Gradient compression on emulated hosts: bytes on the wire and accuracy per compressor.
 
-    sudo .venv/bin/python scripts/bench_compression.py --mbit 1000 --epochs 5 --json compression.json
+    .venv/bin/python scripts/bench_compression.py --mbit 1000 --epochs 5 --json compression.json   # as root
 
 Every worker and the server run in their own network namespace (scripts/netns.py), so
 every payload crosses a link whose byte counters the kernel keeps. For each setting
@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,23 +52,53 @@ def traffic(net: netns.Network, args: argparse.Namespace) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _words(name: str, mode: str) -> tuple[str, ...]:
+    """A setting's name as words: commas and parentheses do not count, nor ``ef`` in gossip mode
+    (ignored there), so docs/compression.md's spellings ("onebit, scaling, ef") name it too."""
+    words = tuple(name.replace(",", " ").replace("(", " ").replace(")", " ").split())
+    return tuple(w for w in words if w != "ef") if mode == "gossip" else words
+
+
+def select_settings(only: str | None, mode: str = "allreduce") -> list[tuple[str, list[str]]]:
+    """The SETTINGS that ``--only`` names (semicolon-separated; all when empty); ValueError
+    naming every unknown one and listing the settings."""
+    if not only:
+        return list(SETTINGS)
+    wanted = [name.strip() for name in only.split(";") if name.strip()]
+    by_words = {_words(label, mode): (label, extra) for label, extra in SETTINGS}
+    unknown = [name for name in wanted if _words(name, mode) not in by_words]
+    if unknown:
+        raise ValueError(f"no setting named {', '.join(map(repr, unknown))}; the settings are "
+                         f"{'; '.join(s[0] for s in SETTINGS)}")
+    chosen = {_words(name, mode) for name in wanted}
+    return [setting for words, setting in by_words.items() if words in chosen]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command line; ``settings`` holds the chosen SETTINGS."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--mbit", type=float, default=1000.0, help="link rate of every emulated host")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=2048, help="MLP width: weights above 64 KiB get compressed")
     parser.add_argument("--mode", choices=["allreduce", "gossip"], default="allreduce",
                         help="gossip: compressed gossip (CHOCO); bytes are then every link's")
-    parser.add_argument("--only", help="setting names to run, separated by semicolons (default: all)")
+    parser.add_argument("--only", help="setting names to run, separated by semicolons, as printed or as in "
+                                       "docs/compression.md's tables, e.g. 'none;onebit, scaling, ef' (default: all)")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    args = parser.parse_args()
-    wanted = [name.strip() for name in args.only.split(";")] if args.only else []
-    unknown = sorted(set(wanted) - {s[0] for s in SETTINGS})
-    if unknown:
-        parser.error(f"--only: no setting named {', '.join(map(repr, unknown))}; the settings are "
-                     f"{'; '.join(s[0] for s in SETTINGS)}")
-    settings = [s for s in SETTINGS if not wanted or s[0] in wanted]
+    args = parser.parse_args(argv)
+    try:
+        args.settings = select_settings(args.only, args.mode)
+    except ValueError as exc:
+        parser.error(f"--only: {exc}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every chosen setting on one emulated network and print the table."""
+    args = parse_args(argv)
+    settings = args.settings
     try:
         net = build_network(args.workers, 1, args.mbit, {})
     except netns.NetnsError as exc:

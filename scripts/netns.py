@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 PREFIX = "bpsgn"  # every namespace made here starts with this (keep it short: names show in `ip netns`)
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -45,6 +45,23 @@ def check_prerequisites() -> None:
         if shutil.which(tool) is None:
             raise NetnsError(f"'{tool}' is not on PATH: install {package} (apt-get install iproute2)")
     run(["ip", "netns", "list"])  # fails early when the kernel or iproute2 lacks netns support
+
+
+def interpreter_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as if this script's interpreter's environment were activated: its bin directory
+    first on PATH (and VIRTUAL_ENV set when it is a virtualenv).
+
+    ``sudo .venv/bin/python scripts/...`` drops the activated virtualenv from PATH, so a bare
+    ``python`` or ``bpslaunch`` in a command run inside a namespace would be the system's,
+    without mxnet or bps_gossip. The namespaces share this file system, so this one works there.
+    """
+    bin_dir = os.path.dirname(sys.executable)  # not resolved: a venv's python is a symlink out of it
+    out = dict(env)
+    rest = [p for p in out.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
+    out["PATH"] = os.pathsep.join([bin_dir, *rest])
+    if sys.prefix != sys.base_prefix:
+        out["VIRTUAL_ENV"] = sys.prefix
+    return out
 
 
 def run(argv: Sequence[str], check: bool = True) -> str:

@@ -1,14 +1,15 @@
 """A bps_gossip job on emulated hosts: scheduler, servers and workers each in its own network
 namespace (scripts/netns.py), joined by rate-limited links. Needs root and iproute2.
 
-Generic mode: run COMMAND on every worker, BytePS style (``bpslaunch`` with DMLC_ROLE):
+Generic mode: run COMMAND on every worker, BytePS style (``bpslaunch`` with DMLC_ROLE), with
+this interpreter's bin directory first on PATH (a bare ``python`` is this one, also under sudo):
 
-    python scripts/netns_cluster.py --workers 4 --servers 1 --mbit 1000 --slow worker3=100 -- \\
+    .venv/bin/python scripts/netns_cluster.py --workers 4 --servers 1 --mbit 1000 --slow worker3=100 -- \\
         python examples/train_digits.py --mode allreduce
 
 Time to accuracy, gossip and mode='auto' against allreduce with one slow link (see docs/netns.md):
 
-    python scripts/netns_cluster.py --time-to-accuracy --workers 4 --mbit 1000 --slow worker3=20 \
+    .venv/bin/python scripts/netns_cluster.py --time-to-accuracy --workers 4 --mbit 1000 --slow worker3=20 \
         --modes allreduce,gossip,auto
 
 The job itself is scripts/netns_job.py's (every process with the DMLC_* variables of its
@@ -20,6 +21,7 @@ process is killed and every namespace deleted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -97,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.time_to_accuracy:
             with tempfile.TemporaryDirectory(prefix="netns_tta_") as tmp:
                 return netns_tta.experiment(net, args, Path(tmp))
-        return run_job(net, args.workers, args.servers, args.command, port=args.port, local_size=args.local_size)
+        # A bare `python` in the command is this interpreter, also under sudo (which resets PATH).
+        return run_job(net, args.workers, args.servers, args.command, base_env=netns.interpreter_env(os.environ),
+                       port=args.port, local_size=args.local_size)
     finally:
         net.destroy()
 

@@ -1,12 +1,13 @@
 """Emulated hosts that answer ssh: network namespaces (scripts/netns.py), each running its own
 sshd (Debian's openssh-server) on its private address, with a fresh key pair for the client.
-Used to try ``bpslaunch -H`` for real on one machine (tests/test_launcher_ssh.py):
+Used to try ``bpslaunch -H`` for real on one machine (tests/test_launcher_ssh.py); as root:
 
-    sudo .venv/bin/python scripts/netns_ssh.py --hosts 2 -- \\
+    .venv/bin/python scripts/netns_ssh.py --hosts 2 -- \\
         bpslaunch -np 4 -H {host0}:2,{host1}:2 {ssh} python examples/train_digits.py
 
 runs the command inside the first host's namespace, with ``{hostN}`` replaced by the hosts'
-addresses and ``{ssh}`` by the ssh options that reach them. The namespaces share this
+addresses, ``{ssh}`` by the ssh options that reach them, and this interpreter's bin directory
+first on PATH (``bpslaunch`` and ``python`` are the virtualenv's without activating it). The namespaces share this
 machine's file system (as hosts share a checkout over NFS), so the same paths work on each.
 Nothing listens outside the namespaces; everything is stopped and deleted at the end.
 """
@@ -141,30 +142,47 @@ StrictModes no
         self.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command in the first host's namespace, with the hosts up."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def expand(command: Sequence[str], addresses: Sequence[str], ssh_args: Sequence[str]) -> list[str]:
+    """``command`` with ``{hostN}`` replaced by host N's address and a ``{ssh}`` word by ``ssh_args``."""
+    out: list[str] = []
+    for word in command:
+        if word == "{ssh}":
+            out += ssh_args
+            continue
+        for index, address in enumerate(addresses):
+            word = word.replace(f"{{host{index}}}", address)
+        out.append(word)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command line; ``command`` without a leading ``--``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     parser.add_argument("--mbit", type=float, default=0, help="every link's rate (0: unlimited)")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="run in host0's namespace with this interpreter's bin directory first on PATH")
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.command:
         parser.error("no command")
+    if args.hosts < 1:
+        parser.error("--hosts must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command in the first host's namespace, with the hosts up."""
+    args = parse_args(argv)
     check_prerequisites()
     netns.cleanup_leftovers()
     with SshHosts(args.hosts, args.mbit) as hosts:
-        names = {f"host{i}": address for i, address in enumerate(hosts.addresses)}
-        argv_out: list[str] = []
-        for word in command:
-            if word == "{ssh}":
-                argv_out += hosts.ssh_args
-            else:
-                for name, address in names.items():
-                    word = word.replace("{" + name + "}", address)
-                argv_out.append(word)
-        print("netns_ssh: hosts " + ", ".join(f"{k}={v}" for k, v in names.items()), file=sys.stderr, flush=True)
-        return subprocess.run(hosts.exec_argv("host0", argv_out)).returncode
+        argv_out = expand(args.command, hosts.addresses, hosts.ssh_args)
+        print("netns_ssh: hosts " + ", ".join(f"host{i}={a}" for i, a in enumerate(hosts.addresses)),
+              file=sys.stderr, flush=True)
+        # A bare `bpslaunch` or `python` is this interpreter's, also under sudo (which resets PATH);
+        # bpslaunch forwards that PATH over ssh, so it is the same one on every host.
+        return subprocess.run(hosts.exec_argv("host0", argv_out), env=netns.interpreter_env(os.environ)).returncode
 
 
 if __name__ == "__main__":
