@@ -27,6 +27,7 @@ from .collectives import (  # noqa: F401 - the API's collectives, importable fro
 from .config import Config, load_config
 from .errors import ConfigError, JobEndedError
 from .futures import Future, wait
+from .logs import install_interrupt_summary
 from .runtime import Runtime
 from .worker import commands as cmd
 from .worker.engine import Engine
@@ -59,6 +60,7 @@ def init(config: Config | None = None) -> None:
                 f"'DMLC_ROLE={config.role} bpslaunch'"
             )
         if config.distributed:
+            install_interrupt_summary(_where, config.log_level)  # Ctrl-C: one line per worker
             engine = Engine(config)
             try:
                 book = engine.start()
@@ -71,6 +73,12 @@ def init(config: Config | None = None) -> None:
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+
+
+def _where() -> str:
+    """'rank N' for this worker's messages (its rank may change in an elastic job)."""
+    runtime = _state.peek()
+    return "a worker with no rank (not in a job)" if runtime is None else f"rank {runtime.rank}"
 
 
 def shutdown() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -73,6 +74,7 @@ class Config:
     auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
+    no_secret_noted: bool = False  # NO_SECRET_NOTED_VAR: the launcher said it once for the job
 
     @property
     def scheduler_address(self) -> str:
@@ -141,6 +143,17 @@ NO_SECRET_WARNING = ("no job secret (BPS_GOSSIP_SECRET and BPS_GOSSIP_SECRET_FIL
                      "(bpslaunch -np makes a secret per job; see README's Security section)")
 MIN_SECRET_DISTINCT = 8  # 'abababab...' has the length but not the bits
 MAKE_A_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
+# Set (to 1) by whoever starts a job's processes and has said once, for the whole job, that it
+# runs without a secret (bpslaunch under srun or mpirun: task 0; scripts that start many jobs):
+# the scheduler, servers and workers then do not say it again, one line each.
+NO_SECRET_NOTED_VAR = "BPS_GOSSIP_NO_SECRET_NOTED"
+
+
+def warn_if_no_secret(config: Config, log: logging.Logger) -> None:
+    """Log NO_SECRET_WARNING at a process's start when its job has no secret, unless the
+    launcher already said so for the job (NO_SECRET_NOTED_VAR)."""
+    if config.keys is None and not config.no_secret_noted:
+        log.warning(NO_SECRET_WARNING)
 
 
 def _job_keys(env: Mapping[str, str]) -> JobKeys | None:
@@ -311,6 +324,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         auto_window=_int(env, "BPS_GOSSIP_AUTO_WINDOW", 10, minimum=1),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),
+        no_secret_noted=env_flag(env, NO_SECRET_NOTED_VAR, False),
     )
     if role != "worker" or config.distributed:
         if config.root_port is None:

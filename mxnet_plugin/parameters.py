@@ -42,13 +42,16 @@ def broadcast_initialized(params: list[tuple[str, list[mx.nd.NDArray]]], root_ra
     """Broadcast root's value of each (name, copies) into every copy; all start before any waits."""
     pending = [(broadcast_async(copies[0], PARAMETER_PREFIX + name, root_rank), copies)
                for name, copies in params]
+    failed = None
     try:
         for started, copies in pending:
             finish_push_pull(started, copies)
     except BpsGossipError as exc:
+        failed = exc
+    if failed is not None:
         # The message names the tensor, the ranks and what each pushed; the frames below this one
         # are only the wait for the reply (futures, the engine), so the user's traceback ends here.
-        raise exc.with_traceback(None)
+        raise failed.with_traceback(None)
 
 
 def take_hook_broadcast(param: mx.gluon.Parameter, root_rank: int) -> bool:

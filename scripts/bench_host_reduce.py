@@ -11,7 +11,9 @@ auto (each host's leader pushes for it), side by side in one run:
 
 It prints, per link rate, the time per step, the bytes the server's link carried in and
 what the first worker host's link sent (from the kernel's counters of their namespaces),
-and the ratios of auto to off. Needs root:
+and the ratios of auto to off (``--what`` picks some of the three kinds of job). Without
+BPS_GOSSIP_SECRET(_FILE) the jobs run with plain sockets, as BytePS does: it says so once,
+not once per process of every job. Needs root:
 
     sudo .venv/bin/python scripts/bench_host_reduce.py --mbit 1000 --mbit 100 --json docs/img/host_reduce.json
 """
@@ -32,8 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns.py and netns_j
 import netns  # noqa: E402
 from netns_job import run_job  # noqa: E402
 
+from bps_gossip.config import NO_SECRET_NOTED_VAR, load_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS, LOCAL = 2, 2  # worker hosts, workers on each
+KINDS = ("push_pull", "training", "gossip")
 
 JOB = r'''
 import json, os, sys, time
@@ -123,11 +128,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed push_pulls (default 10)")
     parser.add_argument("--hidden", type=int, default=1024, help="training: MLP width (default 1024: 4.3 MB of gradients)")
     parser.add_argument("--train-steps", type=int, default=10, help="timed training steps (default 10)")
+    parser.add_argument("--what", choices=KINDS, action="append", help="the jobs to run (default: all three)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     rates = args.mbit or [1000.0, 100.0]
     netns.check_prerequisites()
     netns.cleanup_leftovers()
+    note_no_secret()
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "host_reduce_job.py"
@@ -136,7 +143,7 @@ def main() -> int:
         for mbit in rates:
             names = ["scheduler", "server0", *(f"worker{i}" for i in range(HOSTS))]
             with netns.Network(names, mbit) as net:
-                for what in ("push_pull", "training", "gossip"):
+                for what in [kind for kind in KINDS if kind in (args.what or KINDS)]:
                     row = {"mbit": mbit, "what": what}
                     for mode in ("off", "auto"):
                         row[mode] = run_one(net, mode, what, args, script)
@@ -146,6 +153,14 @@ def main() -> int:
         args.json.write_text(json.dumps({"hosts": HOSTS, "local": LOCAL, "mib": args.mib, "hidden": args.hidden,
                                          "records": records, "when": time.strftime("%Y-%m-%d")}, indent=1))
     return 0
+
+
+def note_no_secret() -> None:
+    """Without a job secret, say so once here: the many jobs' processes then do not, each."""
+    if load_config({**os.environ, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_PORT": "1"}).keys is None:
+        print("no job secret (BPS_GOSSIP_SECRET / BPS_GOSSIP_SECRET_FILE unset): the jobs run with plain "
+              "sockets, as BytePS does", file=sys.stderr, flush=True)
+        os.environ[NO_SECRET_NOTED_VAR] = "1"  # every job's environment starts from this one
 
 
 def print_row(row: dict[str, Any], header: bool) -> None:

@@ -32,7 +32,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 
-from ..config import load_config
+from ..config import NO_SECRET_NOTED_VAR, load_config
 from ..errors import ConfigError
 from .backend import Backend, Process, check_command, note
 
@@ -383,4 +383,7 @@ class BatchBackend(Backend):
             if worker.keys is None:
                 note("no job secret (BPS_GOSSIP_SECRET / BPS_GOSSIP_SECRET_FILE unset): sockets are not "
                      "authenticated or encrypted, as in BytePS; see docs/launcher.md to set one")
+        if worker.keys is None:  # said once above, by task 0: not again by every process of every task
+            for process in processes:
+                process.env[NO_SECRET_NOTED_VAR] = "1"
         return processes

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..config import NO_SECRET_WARNING, Config, load_config
+from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, ConfigError, ProtocolError
 from ..liveness import STOP_REQUEST, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
@@ -79,8 +79,7 @@ class Scheduler:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("scheduler", config.log_level)
-        if config.keys is None:
-            self.log.warning(NO_SECRET_WARNING)
+        warn_if_no_secret(config, self.log)
         self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)
         self.ctx = zmq.Context.instance()
         self.sock = open_socket(self.ctx, SocketRole.SCHEDULER, config)

@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 
 from ..aggregation import Contribution
-from ..config import NO_SECRET_WARNING, Config, load_config
+from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, PeerLostError, ProtocolError
 from ..liveness import raise_open_files_limit, start_ticks
 from ..logs import get_logger
@@ -52,8 +52,7 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("server", config.log_level)
-        if config.keys is None:
-            self.log.warning(NO_SECRET_WARNING)
+        warn_if_no_secret(config, self.log)
         # Connections are spread over the I/O threads: with CURVE, each worker's traffic is
         # encrypted and decrypted on its own (4 MiB TCP push_pull, 2 workers: 17 -> 12 ms).
         self.ctx = zmq.Context.instance(io_threads=config.server_io_threads)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..config import NO_SECRET_WARNING, Config
+from ..config import Config, warn_if_no_secret
 from ..errors import BpsGossipError, NotInitializedError, PeerLostError, WorkersChangedError
 from ..futures import Future, complete, fail, wait
 from ..logs import get_logger
@@ -48,8 +48,7 @@ class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = get_logger("worker", config.log_level)
-        if config.keys is None:
-            self.log.warning(NO_SECRET_WARNING)
+        warn_if_no_secret(config, self.log)
         # The routing id on every connection: servers and peers know this worker's rank by it
         # (from the address book); with a secret it names this process's own key (transport.security).
         self.uid = routing_id("worker", config.keys)
