@@ -31,6 +31,7 @@ from .errors import (
     NotInitializedError,
     PeerLostError,
     ProtocolError,
+    RanksOutOfStepError,
     TensorMismatchError,
     WorkersChangedError,
 )
@@ -43,8 +44,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "HostsUpdatedInterrupt",
-    "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "TensorMismatchError",
-    "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check", "declare", "generation",
-    "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size", "poll", "push_pull",
-    "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown", "size", "synchronize",
+    "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "RanksOutOfStepError",
+    "TensorMismatchError", "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check",
+    "declare", "generation", "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size",
+    "poll", "push_pull", "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown",
+    "size", "synchronize",
 ]

@@ -233,4 +233,4 @@ def peer_link() -> PeerLink:
     """The peer channel of this worker (internal, for gossip)."""
     runtime = _rt("gossip")
     return PeerLink(runtime.engine, runtime.rank, runtime.size, runtime.config.max_message_bytes,
-                    push_pull, runtime.wait_timeout())
+                    push_pull_async, runtime.wait_timeout())

@@ -28,6 +28,12 @@ class CommTimeoutError(BpsGossipError, TimeoutError):
     """A blocking wait ran past BPS_GOSSIP_TIMEOUT; the message says who did not answer."""
 
 
+class RanksOutOfStepError(CommTimeoutError):
+    """Ranks wait for each other in different places (one in a gossip round, another in a
+    collective it entered with fewer steps): a wait that could only end in a timeout, ended at
+    once. The message says which rank waits where."""
+
+
 class PeerLostError(BpsGossipError):
     """A worker, server or the scheduler died or left while an operation needed it."""
 

@@ -33,6 +33,8 @@ SAMPLES: list[p.Message] = [  # one of every op, every optional field set
     p.Gossip(tag="sgp", round=7, dtypes=["<f4"], counts=[3], gen=1, keys=["w"], weight=0.5, shm="seg",
              offsets=[0], sent=1.7e9),
     p.GossipAck(shm="seg", gen=1),
+    p.GossipWaiting(kind="gossip", name="trainer", seq=4, waited=2.5, gen=1, waits_for=[0],
+                    behind="trainer.average.weight", behind_seq=0),
 ]
 
 
@@ -105,6 +107,17 @@ def test_every_field_rejects_what_it_must(msg, key, bad):
     with pytest.raises(ProtocolError) as raised:
         type(msg).decode(header)
     assert msg.op.value in str(raised.value) and key in str(raised.value)  # names the op and the field
+
+
+@pytest.mark.parametrize("change", [
+    {"kind": "sleeping"}, {"waited": -1.0}, {"waited": 1e12}, {"behind_seq": None}, {"behind": None},
+    {"kind": "collective", "waits_for": None}, {"kind": "collective", "behind": None, "behind_seq": None},
+])
+def test_gossip_waiting_rejects_what_no_wait_says(change):
+    sample = next(m for m in SAMPLES if isinstance(m, p.GossipWaiting))
+    header = {key: value for key, value in {**sample.encode(), **change}.items() if value is not None}
+    with pytest.raises(ProtocolError, match="gossip_waiting"):
+        p.GossipWaiting.decode(wire(header))
 
 
 @pytest.mark.parametrize("path,bad", [

@@ -42,12 +42,23 @@ from .control import (
     Terminate,
     Wait,
 )
-from .data import ERROR_KINDS, Ack, Error, Gossip, GossipAck, Push, Result, Stats, wire_dtype
+from .data import (
+    ERROR_KINDS,
+    Ack,
+    Error,
+    Gossip,
+    GossipAck,
+    GossipWaiting,
+    Push,
+    Result,
+    Stats,
+    wire_dtype,
+)
 
 __all__ = [
-    "ERROR_KINDS", "MESSAGES", "Ack", "AddressBook", "Barrier", "BarrierDone", "BarrierFailed", "BookEntry", "Bye",
-    "Changed", "Commit", "CommitDone", "Error", "Finished", "Gossip", "GossipAck", "Handler", "HbAck", "Heartbeat",
-    "JobFailed", "JobOver", "Leave", "Message", "NodeLeft", "NodeLost", "Op", "Push", "Refused", "Register",
-    "Rejoin", "Result", "Stalled", "Stats", "Terminate", "Wait", "decode", "handlers", "message", "op_of",
-    "send", "wire_dtype",
+    "ERROR_KINDS", "MESSAGES", "Ack", "AddressBook", "Barrier", "BarrierDone", "BarrierFailed", "BookEntry",
+    "Bye", "Changed", "Commit", "CommitDone", "Error", "Finished", "Gossip", "GossipAck", "GossipWaiting",
+    "Handler", "HbAck", "Heartbeat", "JobFailed", "JobOver", "Leave", "Message", "NodeLeft", "NodeLost", "Op",
+    "Push", "Refused", "Register", "Rejoin", "Result", "Stalled", "Stats", "Terminate", "Wait", "decode",
+    "handlers", "message", "op_of", "send", "wire_dtype",
 ]

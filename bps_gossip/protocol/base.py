@@ -62,6 +62,7 @@ class Op(str, enum.Enum):
     # worker to worker
     GOSSIP = "gossip"
     GOSSIP_ACK = "gossip_ack"
+    GOSSIP_WAITING = "gossip_waiting"
 
     def __str__(self) -> str:
         return self.value

@@ -244,3 +244,32 @@ class GossipAck(Message):
 
     shm: str = text(256)
     gen: int = integer(0, fields.MAX_INT, 0)
+
+
+WAITING_KINDS = ("gossip", "collective", "none")
+MAX_WAITED = 1e9  # seconds: no wait of this job lasts longer
+
+
+@message(Op.GOSSIP_WAITING)
+class GossipWaiting(Message):
+    """Where the sender's training has been blocked for ``waited`` seconds: kind 'gossip', in round
+    ``seq`` of gossip ``name``, missing the messages of the ranks ``waits_for``; 'collective', in
+    push_pull ``name``, its ``seq``-th use of the name (from 0); 'none': no longer there.
+    ``behind`` and ``behind_seq`` (gossip): the receiver's collective that the sender has not
+    reached and, blocked, cannot: the ranks are out of step. Advisory (bps_gossip.worker.peers)."""
+
+    kind: str = text(16)
+    name: str = text(1024)
+    seq: int = integer(0, 1 << 62)
+    waited: float = number(0.0)
+    gen: int = integer(0, MAX_GENERATION, 0)
+    waits_for: list[int] | None = integers(MAX_NODES, 0, MAX_RANK, optional=True)
+    behind: str | None = optional_text(1024)
+    behind_seq: int | None = optional_integer(0, 1 << 62)
+
+    def __post_init__(self) -> None:
+        self._check(self.kind in WAITING_KINDS, f"kind {self.kind!r} is none of {WAITING_KINDS}")
+        self._check(0.0 <= self.waited <= MAX_WAITED, f"waited={self.waited} is outside [0, {MAX_WAITED:g}] s")
+        self._check((self.behind is None) == (self.behind_seq is None), "behind and behind_seq come together")
+        self._check(self.behind is None or self.kind == "gossip", "only a gossip wait is behind a collective")
+        self._check(self.waits_for is None or self.kind == "gossip", "only a gossip wait waits for ranks")

@@ -110,3 +110,18 @@ class PeerExpect(Command):
     rnd: int
     sources: list[int]
     waiter: Future
+
+
+@dataclasses.dataclass
+class PeerBlocked(Command):
+    """Training has been blocked for a while in gossip round ``seq`` of tag ``name`` (kind
+    'gossip'), or in push_pull ``name``, this rank's ``seq``-th use of it (kind 'collective'),
+    or is no longer blocked in that collective (kind 'none'). The peers are told (they can then
+    tell a wait that would only time out); ``verdict`` (collective) fails if one finds the ranks
+    out of step."""
+
+    kind: str
+    name: str
+    seq: int
+    since: float  # time.monotonic() when the wait began
+    verdict: Future | None = None

@@ -39,7 +39,7 @@ from .trace import Tracer
 
 CHANGE_GRACE = 1.0  # seconds pending work may still complete after a graceful change
 UNSTOPPABLE = (cmd.Stop, cmd.Finished, cmd.Rejoin, cmd.HoldsState)  # run even in a stale generation
-PEER_TRAFFIC = (cmd.PeerSend, cmd.PeerAck)  # dropped quietly in a stale generation
+PEER_TRAFFIC = (cmd.PeerSend, cmd.PeerAck, cmd.PeerBlocked)  # dropped quietly in a stale generation
 
 
 class Engine:
@@ -86,8 +86,9 @@ class Engine:
             cmd.Submit: self._on_submit, cmd.Barrier: self._on_barrier, cmd.Stats: self._on_stats,
             cmd.Commit: self._on_commit, cmd.Rejoin: self._on_rejoin, cmd.Finished: self._on_finished,
             cmd.HoldsState: self._on_holds_state, cmd.Stop: self._on_stop, cmd.PeerSend: self.peers.send,
-            cmd.PeerAck: self.peers.ack, cmd.PeerExpect: self.peers.expect,
+            cmd.PeerAck: self.peers.ack, cmd.PeerExpect: self.peers.expect, cmd.PeerBlocked: self.peers.blocked,
         }
+        self.peers.entered = self.entered  # a peer's collective this rank has not entered: out of step
         self._thread = threading.Thread(target=self._main, name="bps-gossip-engine", daemon=True)
 
     # ------------------------------------------------------------------ API side
@@ -111,6 +112,11 @@ class Engine:
             self._seqs[name] = seq + 1
             return seq
 
+    def entered(self, name: str) -> int:
+        """How many operations on ``name`` this rank has started (in this generation)."""
+        with self._seq_lock:
+            return self._seqs.get(name, 0)
+
     def submit(self, command: cmd.Command) -> None:
         """Hand ``command`` to the engine thread."""
         if not self._running:
@@ -118,7 +124,8 @@ class Engine:
         if self._dead is not None:  # nobody reads the inbox any more: fail at once, never hang
             self._drop(command, self._dead)
             return
-        self.submitted += 1  # progress, for the scheduler (a rank reported as stuck is stuck if this stands still)
+        if not isinstance(command, cmd.PeerBlocked):  # telling where training waits is no progress
+            self.submitted += 1  # progress, for the scheduler (a rank reported as stuck is stuck if this stands still)
         self._inbox.put(command)
         os.write(self._wake_w, b".")
         if self._dead is not None:  # the thread ended meanwhile and may have missed this command

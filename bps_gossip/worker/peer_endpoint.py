@@ -17,12 +17,12 @@ import zmq
 
 from ..config import Config
 from ..errors import ProtocolError
-from ..protocol import Gossip, GossipAck, Push, handlers
+from ..protocol import Gossip, GossipAck, GossipWaiting, Push, handlers
 from ..transport import bind_random_port
 from ..transport.receive import MALFORMED, DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
-from .commands import PeerAck, PeerExpect, PeerSend
+from .commands import PeerAck, PeerBlocked, PeerExpect, PeerSend
 from .peers import LEFT_GRACE, PeerChannel
 from .scheduler_link import Book
 
@@ -49,7 +49,8 @@ class PeerEndpoint:
         self._drops = DropLog(log, "peer message")
         # A host leader's locals push to this socket too (worker.host_link); the engine routes them.
         self.on_push: Callable[[bytes, Push], None] = self._no_push
-        self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack,
+        self.entered: Callable[[str], int] = lambda _name: 0  # the engine's: operations started on a name
+        self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack, GossipWaiting: self._on_waiting,
                                    Push: lambda route, msg, _frames: self.on_push(route, msg)})
 
     def new_generation(self, book: Book) -> None:
@@ -62,7 +63,7 @@ class PeerEndpoint:
         for addr in [a for a in kept if a not in addresses]:  # peers no longer in the job
             kept.pop(addr).close()
         self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config, self.log,
-                                   book.generation, kept)
+                                   book.generation, kept, self.entered)
         self.channel.pool = self.segments
         self.generation = book.generation
         early, self._early = self._early, []
@@ -97,6 +98,10 @@ class PeerEndpoint:
         if msg.gen == self.generation:
             self.channel.on_ack(route, msg)
 
+    def _on_waiting(self, route: bytes, msg: GossipWaiting, _frames: list[zmq.Frame]) -> None:
+        if msg.gen == self.generation:  # advisory: another generation's is dropped, never kept
+            self.channel.notices.on_waiting(self.channel.sender(route), msg)
+
     # -- commands from the training thread -----------------------------------------
     def send(self, command: PeerSend) -> None:
         """Send a gossip message."""
@@ -112,6 +117,10 @@ class PeerEndpoint:
     def expect(self, command: PeerExpect) -> None:
         """Wait for a round's messages."""
         self.channel.expect(command.tag, command.rnd, command.sources, command.waiter)
+
+    def blocked(self, command: PeerBlocked) -> None:
+        """Training is blocked in a gossip round or a collective (or no longer): tell the peers."""
+        self.channel.notices.blocked(command.kind, command.name, command.seq, command.since, command.verdict)
 
     # -- failures and leaving -------------------------------------------------------
     def check_deadlines(self, now: float) -> None:

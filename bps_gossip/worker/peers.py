@@ -6,7 +6,11 @@ and its source is the connection it came on (the routing id the address book giv
 worker), never a field of the message. One that arrives before anybody waits for it is kept for its round, so a fast peer's
 round t+1 is never mixed into round t. A wait fails with PeerLostError as soon as any
 worker is lost (the job is not elastic), or a peer it needs has left and stayed silent, and with CommTimeoutError,
-naming the ranks that did not send, after BPS_GOSSIP_TIMEOUT.
+naming the ranks that did not send, after BPS_GOSSIP_TIMEOUT, and where each of them waits.
+
+Where ranks wait (uneven steps, one rank evaluating alone) is told between peers
+(:mod:`.wait_notices`): ranks out of step fail at once with RanksOutOfStepError, and a
+timeout names where each missing rank waits, or that it reported no wait.
 
 Peers on the same host exchange payloads through shared memory: the sender writes its
 share into a segment of its own pool (the one copy of the send) and sends only the
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import zmq
@@ -29,10 +33,11 @@ from ..compat import zip_exact
 from ..config import Config
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
-from ..protocol import Gossip, GossipAck, send
+from ..protocol import Gossip, GossipAck, GossipWaiting, send
 from ..transport import endpoint_host
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
 from ..transport.sockets import SocketRole, open_socket
+from .wait_notices import WaitNotices
 
 LEFT_GRACE = 2.0  # seconds a peer that left gracefully may still have messages on the way
 MAX_ATTACHED = 256  # peers' segments mapped at once; the oldest are unmapped past this
@@ -40,7 +45,6 @@ MAX_PENDING = 1024  # messages of one peer that nobody waits for yet (a fast pee
 MAX_PENDING_BYTES = 1 << 30  # and their bytes (payloads that came over TCP)
 MAX_AHEAD = 256  # rounds of one tag a peer may be ahead of the last one read from it (routing: thinned edges)
 MAX_CLOCK_OFFSET = 86400.0  # seconds: a send stamp further from our clock is dropped
-
 Message = Tuple[Dict[str, Any], List[np.ndarray]]
 Filed = Tuple[Dict[str, Any], List[np.ndarray], int]  # a message and the bytes it holds
 
@@ -55,6 +59,8 @@ class PeerWait:
     handle: Future
     deadline: float
     stall_reported: bool = False
+    blocked: float | None = None  # when training began to wait on it, once it told the peers
+    told: set[int] = dataclasses.field(default_factory=set)  # the ranks told that it waits
 
 
 class PeerChannel:
@@ -62,7 +68,8 @@ class PeerChannel:
 
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
                  config: Config, log: Any, generation: int = 0,
-                 connections: dict[str, zmq.Socket] | None = None) -> None:
+                 connections: dict[str, zmq.Socket] | None = None,
+                 entered: Callable[[str], int] | None = None) -> None:
         self.ctx = ctx
         self.uid = uid
         self.config = config
@@ -87,6 +94,9 @@ class PeerChannel:
         self.in_flight: dict[str, tuple[int, str, OwnedSegment]] = {}  # segment name -> (dst, pool key, segment)
         self.attached = AttachedSegments(MAX_ATTACHED)
         self.read: dict[tuple[str, int], int] = {}  # (tag, source) -> the last round read from it
+        self.read_at: dict[tuple[str, int], float] = {}  # (tag, source) -> when that round arrived
+        self.sent: dict[tuple[str, int], int] = {}  # (tag, destination) -> the last round sent to it
+        self.notices = WaitNotices(self, entered)  # where this rank and its peers wait
 
     def is_local(self, dst: int) -> bool:
         """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
@@ -110,6 +120,7 @@ class PeerChannel:
                      counts=[int(a.size) for a in arrays], gen=self.generation, keys=header.get("keys"),
                      weight=header.get("weight"), shm=shm, offsets=offsets, sent=time.time())
         self._send(dst, msg, [np.ascontiguousarray(a) for a in arrays] if staged is None else [])
+        self.sent[(msg.tag, dst)] = msg.round
 
     def ack(self, dst: int, segment: str) -> None:
         """Tell worker ``dst`` that its segment ``segment`` was read and may be reused."""
@@ -136,7 +147,11 @@ class PeerChannel:
         del self.in_flight[msg.shm]
         self.pool.release(entry[1], entry[2])
 
-    def _send(self, dst: int, msg: Gossip | GossipAck, frames: list[Any]) -> None:
+    def send_notice(self, dst: int, msg: GossipWaiting) -> None:
+        """Tell worker ``dst`` where this rank waits (:mod:`.wait_notices`)."""
+        self._send(dst, msg, [])
+
+    def _send(self, dst: int, msg: Gossip | GossipAck | GossipWaiting, frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
             addr = self.workers[dst]["addr"]
@@ -226,6 +241,7 @@ class PeerChannel:
         for wait in list(self.waits):
             if (wait.tag, wait.rnd) == key and wait.sources <= box.keys():
                 self.waits.remove(wait)
+                self.notices.untell(wait)
                 complete(wait.handle, {src: self._claim(box, src) for src in wait.sources})
         if not box:
             del self.inbox[key]
@@ -234,6 +250,7 @@ class PeerChannel:
         msg, arrays, size = box.pop(src)
         key = (msg["tag"], src)
         self.read[key] = msg["round"]
+        self.read_at[key] = msg["arrived"]
         self.pending[src][0] -= 1
         self.pending[src][1] -= size
         return msg, arrays
@@ -244,7 +261,7 @@ class PeerChannel:
         if how == "lost":
             self.lost[rank] = why
             for wait in list(self.waits):
-                self._fail(wait, self._lost_error(wait))
+                self.fail_wait(wait, self._lost_error(wait))
         else:
             self.left[rank] = (why, time.monotonic())
 
@@ -255,23 +272,39 @@ class PeerChannel:
     def _has(self, wait: PeerWait, src: int) -> bool:
         return src in self.inbox.get((wait.tag, wait.rnd), {})
 
-    def _fail(self, wait: PeerWait, error: BaseException) -> None:
+    def fail_wait(self, wait: PeerWait, error: BaseException) -> None:
+        """Fail ``wait`` with ``error`` (the ranks told of it hear that it is over)."""
         self.waits.remove(wait)
+        self.notices.untell(wait)
         fail(wait.handle, error)
 
     def check_deadlines(self, now: float) -> None:
         """Fail waits whose peers are gone or silent for too long."""
         for wait in list(self.waits):
-            missing = sorted(r for r in wait.sources if not self._has(wait, r))
+            missing = self.missing(wait)
             gone = [r for r in missing if r in self.left and now - self.left[r][1] > LEFT_GRACE]
             if gone:
-                self._fail(wait, PeerLostError(
+                self.fail_wait(wait, PeerLostError(
                     f"gossip {wait.tag!r} round {wait.rnd} on rank {self.rank}: "
-                    + "; ".join(self.left[r][0] for r in gone)))
+                    + "; ".join(f"{self.left[r][0]}; {self.notices.left_early(wait, r)}" for r in gone)))
             elif now > wait.deadline:
-                self._fail(wait, CommTimeoutError(
+                self.fail_wait(wait, CommTimeoutError(
                     f"gossip {wait.tag!r} round {wait.rnd} on rank {self.rank}: ranks {missing} sent nothing "
-                    f"within {self.timeout:.1f} s (BPS_GOSSIP_TIMEOUT)"))
+                    f"within {self.timeout:.1f} s (BPS_GOSSIP_TIMEOUT). "
+                    + " ".join(self.notices.whereabouts(wait, r, now) for r in missing)))
+
+    def missing(self, wait: PeerWait) -> list[int]:
+        """The ranks whose message of ``wait``'s round is not in yet."""
+        return sorted(r for r in wait.sources if not self._has(wait, r))
+
+    def last_round(self, tag: str, src: int) -> tuple[int, float] | None:
+        """The last round of ``tag`` that came from ``src`` and when it arrived (read or not)."""
+        last = self.read.get((tag, src))
+        found = None if last is None else (last, self.read_at[(tag, src)])
+        for (box_tag, rnd), box in self.inbox.items():
+            if box_tag == tag and src in box and (found is None or rnd > found[0]):
+                found = (rnd, box[src][0]["arrived"])
+        return found
 
     def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
         """Waits this rank has spent ``after`` seconds in: (the ranks it still waits for, what for),
@@ -290,7 +323,7 @@ class PeerChannel:
     def fail_all(self, error: BaseException) -> None:
         """Fail every pending wait (shutdown, scheduler lost)."""
         for wait in list(self.waits):
-            self._fail(wait, error)
+            self.fail_wait(wait, error)
 
     def connections(self) -> dict[str, zmq.Socket]:
         """Hand over the DEALERs by peer address (for the next generation's channel): close()
