@@ -17,7 +17,8 @@ scaled and handed over) and MIX (waiting for the peers' shares and adding them);
 step, counted like a tensor's push_pulls. Compressed gossip has the ``total`` event only.
 
 A tensor's steps are its push_pulls, counted from 1: BYTEPS_TRACE_START_STEP (default
-10) to BYTEPS_TRACE_END_STEP (default 20) are traced. The file is written when a tensor
+10) to BYTEPS_TRACE_END_STEP (default 20) are traced. DistributedTrainer's start broadcast is
+step 1 of each ``parameter_<name>`` (once per parameter), so START_STEP=2 leaves it out. The file is written when a tensor
 finishes its last traced step and again at shutdown.
 """
 
