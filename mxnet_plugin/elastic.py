@@ -60,13 +60,8 @@ def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..
 
     @functools.wraps(func)
     def attempt(*args: Any, **kwargs: Any) -> Result:
-        try:
+        with overlap.own_errors():
             return func(*args, **kwargs)
-        except mx.base.MXNetError as exc:
-            error = overlap.take_pending_error()
-            if error is None:
-                raise
-            raise error from exc
 
     return _core_run(attempt, comm=comm)
 

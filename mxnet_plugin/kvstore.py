@@ -34,7 +34,7 @@ from bps_gossip.compat import zip_exact
 from .kvstore_fusion import Call, StepFusion, teach_trainer_and_module
 from .ops import broadcast_async, finish_push_pull, to_host
 from .optimizer import refuse_in_elastic_job
-from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
+from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error, wait_to_read
 
 NAME = "bpsgossip"
 TYPE = "dist_sync_" + NAME
@@ -127,7 +127,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
             # (gluon.Trainer and Module come through pushpull_step with gradients that exist.)
             for _, arrays in (*targets, *values.items()):
                 for array in arrays:
-                    array.wait_to_read()
+                    wait_to_read(array)
             if out is None and isinstance(key, (list, tuple)):
                 self.pushpull_step([(k, values[k], priority) for k, _ in targets])
                 return

@@ -16,7 +16,7 @@ import bps_gossip as core
 from bps_gossip.futures import Future as Handle
 
 from .layouts import make_default
-from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
+from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error, wait_to_read
 
 
 def _check_tensor(tensor: object, where: str, name: object) -> mx.nd.NDArray:
@@ -76,10 +76,10 @@ def byteps_push_pull(tensor: mx.nd.NDArray, version: int = 0, priority: int = 0,
         raise_pending_error()
         # A tensor an operation is still computing may not have its memory yet, and asking for
         # its address from this thread would allocate it a second time beside that operation.
-        tensor.wait_to_read()
+        wait_to_read(tensor)
         push_pull_in_engine([tensor], name, average=is_average, priority=priority)
-        tensor.wait_to_read()
-        raise_pending_error()  # this push_pull's own error, if it failed
+        wait_to_read(tensor)  # raises this push_pull's own error, if it failed
+        raise_pending_error()
         return
     host = to_host(tensor)
     core.push_pull(host, name, average=is_average, priority=priority, version=version, out=host)

@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Iterator
 
 import mxnet as mx
 import numpy as np
@@ -174,6 +174,32 @@ def _exit_if_failed() -> None:
 def raise_pending_error() -> None:
     """Raise the error of a push_pull that failed inside MXNet's engine, if any (once)."""
     _rounds.raise_error()
+
+
+@contextlib.contextmanager
+def own_errors() -> Iterator[None]:
+    """Inside the block, an ``MXNetError`` that carries a failed push_pull's error (a wait on an
+    array computed from it) is raised as that error itself, with its own type (a
+    TensorMismatchError, a WorkersChangedError that elastic.run resets on)."""
+    try:
+        yield
+    except mx.base.MXNetError:
+        error = _rounds.take_error()
+        if error is None:
+            raise
+        raise error from None  # the MXNetError says the same, less precisely
+
+
+def wait_to_read(array: mx.nd.NDArray) -> None:
+    """``array.wait_to_read()``, raising a failed push_pull's own error (see :func:`own_errors`)."""
+    with own_errors():
+        array.wait_to_read()
+
+
+def wait_all() -> None:
+    """``mx.nd.waitall()``, raising a failed push_pull's own error (see :func:`own_errors`)."""
+    with own_errors():
+        mx.nd.waitall()
 
 
 def take_pending_error() -> BaseException | None:

@@ -39,6 +39,7 @@ import bps_gossip as core
 from bps_gossip.config import load_config
 
 from ..ops import to_device, to_host
+from ..overlap import wait_all
 from .allreduce import AllreduceMode
 from .auto_policy import AutoPolicy, Decision, Window
 from .base import ModeSetup, TrainerMode
@@ -238,7 +239,7 @@ class AutoMode(TrainerMode):
             self.active.average_parameters()
             self._average_optimizer_states()
         else:  # from allreduce: the models are equal
-            mx.nd.waitall()
+            wait_all()
         self.modes["gossip"].restart()  # push-sum starts again from the equal models
         self._use(decision.mode, decision.why, step, decision.probe)
 

@@ -34,6 +34,7 @@ from bps_gossip.gossip.link import default_link
 from bps_gossip.protocol.data import MAX_ARRAYS
 
 from ..layouts import IdleViews
+from ..overlap import wait_all
 from .options import GossipOptions
 
 log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
@@ -111,7 +112,7 @@ class ParameterGossip:
         comes back out (:meth:`_write_model`)."""
         if not self.layout:
             self._build_layout()
-        mx.nd.waitall()  # the update has landed; nothing in MXNet's engine touches the parameters now
+        wait_all()  # the update has landed; nothing in MXNet's engine touches the parameters now
         owned = self.averager is not None and self.averager.owns_x
         x = self._copy_out(self.small_layout, None if owned or self.averager is None else self.averager.x)
         x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
@@ -140,7 +141,7 @@ class ParameterGossip:
             self.unpack(z)
             return
         self.written = z
-        mx.nd.waitall()  # nobody reads or writes the parameters in MXNet's engine while we write
+        wait_all()  # nobody reads or writes the parameters in MXNet's engine while we write
         self._copy_in(self.small_layout, z)
         for key, param in self.large:
             for index, copy in enumerate(param.list_data()):
@@ -199,14 +200,14 @@ class ParameterGossip:
         """
         if not self.layout:
             self._build_layout()
-        mx.nd.waitall()  # the update has landed; nothing in MXNet's engine touches the parameters now
+        wait_all()  # the update has landed; nothing in MXNet's engine touches the parameters now
         return self._copy_out(self.layout, into)
 
     def unpack(self, buffers: dict[str, np.ndarray]) -> None:
         """Write flat buffers back into every device copy of every parameter (one wait for
         MXNet's engine, then plain copies, as in :meth:`pack`)."""
         self.written = buffers
-        mx.nd.waitall()  # nobody reads or writes the parameters in MXNet's engine while we write
+        wait_all()  # nobody reads or writes the parameters in MXNet's engine while we write
         self._copy_in(self.layout, buffers)
 
     def _copy_out(self, layout: Layout, into: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
