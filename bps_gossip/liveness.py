@@ -63,6 +63,11 @@ def raise_open_files_limit() -> int:
 # its own workers: "<STOP_REQUEST> <pid> <start ticks>". Only the scheduler's own output stream
 # is read for it, and bpslaunch acts only on a child it started (never on a claimed pid).
 STOP_REQUEST = "bps_gossip-stop-worker"
+# The same channel the other way: with REGISTRATIONS_VAR=1 (set by bpslaunch) the scheduler writes
+# "<WORKER_REGISTERED> <pid>" for each worker that registers, so that bpslaunch can tell a worker
+# that never reached the job (no bps.init(), no 'bpsgossip' KVStore) from one that did.
+WORKER_REGISTERED = "bps_gossip-worker-registered"
+REGISTRATIONS_VAR = "BPS_GOSSIP_REPORT_REGISTRATIONS"
 
 
 class LocalProcess:

@@ -22,6 +22,7 @@ from .config import Config
 from .errors import CommTimeoutError, ConfigError, JobEndedError, JobFailedError, ProtocolError
 from .protocol import (
     AddressBook,
+    HbAck,
     Heartbeat,
     JobFailed,
     JobOver,
@@ -55,13 +56,15 @@ class BookWait:
     def __init__(self, sock: zmq.Socket, config: Config, who: str, log: logging.Logger) -> None:
         self.sock, self.config, self.who, self.log = sock, config, who, log
         self.admit_by: float | None = None  # elastic: told to wait, admitted by then
+        self.wait: StartupWait | None = None  # the deadlines and progress notes of the running wait
         self.role = "worker"
-        # What ends or changes the wait; each returns the book once admitted. Anything else (a
-        # heartbeat's answer) only shows that the scheduler is there.
+        # What ends or changes the wait; each returns the book once admitted. A heartbeat's answer
+        # says who has registered so far; anything else only shows that the scheduler is there.
         self.answers: dict[Op, tuple[type[Message], Callable[[Any], AddressBook | None]]] = {
             cls.op: (cls, handle) for cls, handle in (
                 (AddressBook, lambda book: book), (Refused, self._on_refused), (Terminate, self._on_terminate),
-                (JobFailed, self._on_job_failed), (JobOver, self._on_job_over), (Wait, self._on_wait))}
+                (JobFailed, self._on_job_failed), (JobOver, self._on_job_over), (Wait, self._on_wait),
+                (HbAck, self._on_hb_ack))}
 
     def run(self, register: Register, also: Also) -> Admission:
         """Send ``register`` and wait for the book (see the module docstring)."""
@@ -71,7 +74,7 @@ class BookWait:
         try:
             self.sock.connect(cfg.scheduler_address)
             send(self.sock, register)
-            wait = StartupWait(watch, cfg, self.who, self.log)
+            wait = self.wait = StartupWait(watch, cfg, self.who, self.log)
             poller = zmq.Poller()
             poller.register(self.sock, zmq.POLLIN)
             for sock, _ in also:
@@ -125,10 +128,16 @@ class BookWait:
     def _on_job_over(self, msg: JobOver) -> None:
         raise JobEndedError(f"the job finished before this worker was admitted ({msg.why})")
 
+    def _on_hb_ack(self, msg: HbAck) -> None:
+        if self.wait is not None:  # before the rendezvous completes: who has registered so far
+            self.wait.heard_from(msg.workers, msg.servers)
+
     def _on_wait(self, msg: Wait) -> None:
         if self.admit_by is None:
             cfg = self.config
             self.admit_by = time.monotonic() + cfg.elastic_timeout + cfg.timeout
+            if self.wait is not None:
+                self.wait.joining = True
             self.log.info("waiting to join the running job: %s", msg.why)
         return None
 

@@ -119,7 +119,7 @@ def test_scheduler_starting_last(cluster):
     assert sorted(f.result["rank"] for f in done) == [0, 1]
     assert all(f.result["sum"] == [3.0, 3.0, 3.0] for f in done)
     job.wait_servers_exit()
-    assert "still trying, up to BPS_GOSSIP_START_TIMEOUT=40" in job.dump()
+    assert "nothing answers there yet; trying up to BPS_GOSSIP_START_TIMEOUT=40" in job.dump()
 
 
 def _role_argv(role: str) -> list[str]:

@@ -206,7 +206,8 @@ def test_output_dir_and_timestamps(job, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_mode_flag_sets_the_trainer_default(job):
-    body = "from bps_gossip import load_config; print('MODE', load_config().mode)\n"
+    # it registers: workers that never do fail the job (tests/test_launch_failures.py)
+    body = "import bps_gossip as bps\nbps.init()\nprint('MODE', bps.load_config().mode)\nbps.shutdown()\n"
     code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, job.script(body)]))
     assert code == 0 and out.count("MODE allreduce") == 2, out + err
     code, out, err = job.finish(job.start(["--mode", "fast", "-np", "2", sys.executable, job.script(body)]))

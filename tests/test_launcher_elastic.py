@@ -118,17 +118,23 @@ def test_reset_limit_fails_the_job(job, limit):
 
 
 @pytest.mark.timeout(60)
-def test_a_slot_failing_at_start_up_is_restarted_ever_more_slowly(job):
+def test_a_slot_failing_at_start_up_is_restarted_ever_more_slowly(job, tmp_path):
     """Issue 23, item 12: without --reset-limit a worker failing at start-up was restarted every
     2 s, forever (75 restarts in 2 minutes). The wait doubles for each failure at start-up in a
-    row: 2, 4, 8 s ... up to 60 s."""
+    row: 2, 4, 8 s ... up to 60 s. (Each fails differently here: the same failure three times
+    in a row ends the job, tests/test_launch_failures.py.)"""
     body = """
-import os, sys, time
+import os, pathlib, sys, time
 if os.environ["BYTEPS_LOCAL_RANK"] == "1":
-    sys.exit(3)  # every process of slot 1 fails at once
+    failed = pathlib.Path(os.environ["FAILED_DIR"])
+    count = len(list(failed.iterdir()))
+    (failed / str(os.getpid())).touch()
+    sys.exit(3 + count)  # every process of slot 1 fails at once, each with another code
 time.sleep(60)  # slot 0 waits (the rendezvous would wait for slot 1)
 """
-    main = job.start(["-np", "2", "--min-np", "1", sys.executable, job.script(body)])
+    (tmp_path / "failed").mkdir()
+    main = job.start(["-np", "2", "--min-np", "1", sys.executable, job.script(body)],
+                     {"FAILED_DIR": str(tmp_path / "failed")})
     wait_for(main, job, r"slot 1 failed 2 times in a row within 30 s of starting: restarting it in 4 s$")
     wait_for(main, job, r"slot 1 failed 3 times in a row within 30 s of starting: restarting it in 8 s$")
     time.sleep(4.0)  # every 2 s before: two more restarts by now

@@ -95,11 +95,15 @@ Elastic local jobs (--min-np/--max-np) restart a failed worker (its output is pr
 [wK], K counting worker processes) until --reset-limit restarts are used (default: no
 limit; a slot whose workers keep failing within 30 s of starting waits twice as long before
 each restart, up to 60 s); workers joining with --join are admitted at the next commit. The job fails when
-fewer than --min-np workers remain for longer than --elastic-timeout seconds.
+fewer than --min-np workers remain for longer than --elastic-timeout seconds. A failure no
+restart fixes ends the job: a ConfigError (or ValueError, ImportError, ... before the worker
+registered), or the same failure at start-up three times in a row.
 
 Exit status: the first non-zero exit code of a worker (128+N for signal N), 0 when
-every worker succeeded, 2 for a bad environment or command line. Elastic: 0 when every
-slot's last worker exited 0, else the failed worker's code or the scheduler's (1).""",
+every worker succeeded, 1 when every worker exited 0 but none registered with the
+scheduler (the script never called bps.init(): was mxnet_plugin imported?), 2 for a bad
+environment or command line. Elastic: 0 when every slot's last worker exited 0, else the
+failed worker's code or the scheduler's (1).""",
     )
     parser.add_argument("-np", "--num-proc", type=int, metavar="N",
                         help="local mode: run N worker processes on this machine, plus a scheduler "

@@ -23,6 +23,13 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..liveness import start_ticks
 from .backend import check_command
+from .diagnosis import (
+    NO_WORKER_REGISTERED,
+    SAME_FAILURES_TO_STOP,
+    StartupFailures,
+    error_line,
+    not_worth_a_restart,
+)
 from .secret_files import find_secret_file
 from .supervisor import Child, Supervisor
 
@@ -165,10 +172,12 @@ class ElasticRun:
         self.restart_delay = max(SETTLE_SECONDS, restart_delay)
         self.restarts = 0
         self.given_up: set[int] = set()  # slots whose failure the ended job no longer needs restarted
-        self.pending: list[tuple[int, Child, float]] = []  # (slot, failed child, when to act) to act on
+        # (slot, failed child, when to act, why not to restart it: None to restart it) to act on
+        self.pending: list[tuple[int, Child, float, str | None]] = []
         now = time.monotonic()
         self.born = {id(child): now for child in workers.values()}  # when each worker process started
         self.quick_failures: dict[int, int] = {}  # slot -> its processes that failed at start-up in a row
+        self.startup_failures = StartupFailures()  # slot -> the same failure at start-up, repeated
         self.scheduler = next((c for c in sup.children if c.role == "scheduler"), None)
         self.first_error = 0
         self.finished: str | None = None  # the first worker that exited 0: the job is ending
@@ -221,7 +230,9 @@ class ElasticRun:
         elif code != 0 and slot is not None:
             self._note(f"{child.label} (pid {child.proc.pid}) exited with {describe_exit(code)}")
             # Decided later: if this is the scheduler failing the job, its reason is the one to report.
-            self.pending.append((slot, child, time.monotonic() + self._delay(slot, child)))
+            verdict = self._not_restarted(slot, child)
+            delay = self.restart_delay if verdict is not None else self._delay(slot, child)
+            self.pending.append((slot, child, time.monotonic() + delay, verdict))
         return None
 
     def _delay(self, slot: int, child: Child) -> float:
@@ -242,11 +253,13 @@ class ElasticRun:
         due = [p for p in self.pending if now >= p[2]]
         for item in due:
             self.pending.remove(item)
-            slot, child, _ = item
+            slot, child, _, verdict = item
             if self._job_ended() or self.finished is not None:  # the survivors finished the training
                 self._note(f"{child.label} is not restarted: {self.finished or 'a worker'} finished training")
                 self.given_up.add(slot)
                 continue
+            if verdict is not None:
+                return self._fail(verdict, child.code or 1)
             if self.reset_limit is not None and self.restarts >= self.reset_limit:
                 return self._fail(f"{child.label} exited with {describe_exit(child.code)} "
                                   f"and the reset limit is reached ({self.restarts} of --reset-limit "
@@ -260,6 +273,27 @@ class ElasticRun:
                                                 f"worker {label}", f"[{label}] ")
             self.born[id(self.current[slot])] = time.monotonic()
         return None
+
+    def _not_restarted(self, slot: int, child: Child) -> str | None:
+        """Why restarting ``child`` cannot help (the job then ends with it), or None: it failed
+        with a configuration error (or a programming error before it registered), or its slot
+        failed at start-up the same way SAME_FAILURES_TO_STOP times in a row (:mod:`.diagnosis`)."""
+        for pump in child.pumps:
+            pump.join(timeout=1.0)  # the traceback it printed before exiting
+        error = error_line(child.tail)
+        code = child.code if child.code is not None else 1
+        if not_worth_a_restart(error, child.registered):
+            return (f"{child.label} failed with {describe_exit(code)} on a configuration or programming error, "
+                    f"the same at every start: not restarting it, stopping the job. The error: {error}")
+        now = time.monotonic()
+        at_start = not child.registered or now - self.born.get(id(child), now) < QUICK_FAILURE_SECONDS
+        same = self.startup_failures.count(slot, code, error, at_start)
+        if same < SAME_FAILURES_TO_STOP:
+            return None
+        how = describe_exit(code) if error else f"{describe_exit(code)}, nothing on stderr"
+        said = f". The error: {error}" if error else ""
+        return (f"slot {slot} failed the same way {same} times in a row at start-up ({how}): not restarting it "
+                f"again, stopping the job{said}")
 
     def _stop_unadmitted(self) -> None:
         """The scheduler ended the job. A replacement still running was not needed: it was never
@@ -278,6 +312,8 @@ class ElasticRun:
         """Every local worker is done: the scheduler exits once every worker (also those that
         joined with --join) has left; then the servers get a bounded time."""
         sup = self.sup
+        if self.scheduler is not None and self.scheduler.proc.poll() is None and sup.none_registered():
+            return self._fail(NO_WORKER_REGISTERED, 1)  # the scheduler would wait for them until its start timeout
         noted = False
         started = time.monotonic()
         while self.scheduler is not None and self.scheduler.proc.poll() is None:

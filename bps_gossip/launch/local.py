@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from ..config import OWNED_SECRET_VAR, Config, load_config
 from ..errors import ConfigError
+from ..liveness import REGISTRATIONS_VAR
 from ..transport import shm
 from .backend import Backend, Process, check_command
 from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay
@@ -86,7 +87,9 @@ class LocalBackend(Backend):
         check_elastic_env(self.elastic, self.config, self.num_proc)
         services = []
         if any(c.distributed for c in configs):
-            services = [Process("scheduler", "scheduler", "[scheduler] ", {**base, "DMLC_ROLE": "scheduler"})]
+            # The scheduler tells bpslaunch which workers registered: one that never did is reported.
+            scheduler_env = {**base, "DMLC_ROLE": "scheduler", REGISTRATIONS_VAR: "1"}
+            services = [Process("scheduler", "scheduler", "[scheduler] ", scheduler_env)]
             services += [Process("server", f"server{i}", f"[server{i}] ", {**base, "DMLC_ROLE": "server"})
                          for i in range(self.num_servers)]
         for service in services:

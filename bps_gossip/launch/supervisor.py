@@ -25,11 +25,13 @@ from collections.abc import Iterable, Mapping
 from typing import IO
 
 from ..compat import zip_exact
-from ..liveness import STOP_REQUEST, start_ticks
+from ..liveness import REGISTRATIONS_VAR, STOP_REQUEST, WORKER_REGISTERED, start_ticks
 from ..transport import shm
+from .diagnosis import NO_WORKER_REGISTERED
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
+REGISTRATION_LAG_SECONDS = 1.0  # the scheduler's report of a registration may trail a worker's exit this long
 _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
@@ -95,6 +97,7 @@ class Child:
     proc: subprocess.Popen
     pumps: list[threading.Thread]
     code: int | None = None
+    registered: bool = False  # a worker the scheduler reported registered (REGISTRATIONS_VAR)
     segments_env: Mapping[str, str] | None = None  # a worker on this host: sweep its shared memory
     log: IO[bytes] | None = None  # --output-dir: this process's own log file
     # The last lines it printed on stderr (when piped): bpslaunch quotes them when it fails.
@@ -115,6 +118,10 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[Child] = []
         self.signals: list[int] = []  # signals bpslaunch received, in order
+        # Whether a scheduler started here reports registrations, and how many it reported
+        # (workers of other launchers' too: those of a remote or joining worker count).
+        self.watches_registrations = False
+        self.registrations = 0
         self._out_lock = threading.Lock()
         self._old_handlers: dict[int, object] = {}
 
@@ -154,6 +161,8 @@ class Supervisor:
             except BrokenPipeError:
                 pass  # it ended at once: its exit code tells the waiting loop
         child = Child(label, role, proc, [])
+        if role == "scheduler" and env.get(REGISTRATIONS_VAR) == "1" and prefix is not None:
+            self.watches_registrations = True
         if role == "worker" and stdin_data is None:
             child.segments_env = env
         if prefix is not None:
@@ -193,6 +202,9 @@ class Supervisor:
                     if requests and text.startswith(STOP_REQUEST.encode()):
                         self._stop_request(text.decode(errors="replace"))
                         continue
+                    if requests and text.startswith(WORKER_REGISTERED.encode()):
+                        self._registered(text.decode(errors="replace"))
+                        continue
                     self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)
             if pending:
                 self._emit(out, sink, prefix, pending + b"\n", tail, log)
@@ -230,6 +242,29 @@ class Supervisor:
                 except (ProcessLookupError, PermissionError):
                     pass
                 return
+
+    def _registered(self, line: str) -> None:
+        """The scheduler says a worker registered: count it, and mark the child it belongs to
+        (the registered process is the child or one it started: it is in the child's session)."""
+        self.registrations += 1
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            return
+        try:
+            session = os.getsid(int(parts[1]))
+        except OSError:  # gone already, or not on this host (ssh)
+            return
+        for child in self.children:
+            if child.role == "worker" and child.proc.pid == session:
+                child.registered = True
+
+    def none_registered(self) -> bool:
+        """True when this bpslaunch's scheduler reports registrations and no worker registered
+        (after a moment for the scheduler's report of a registration to arrive)."""
+        deadline = time.monotonic() + REGISTRATION_LAG_SECONDS
+        while self.watches_registrations and self.registrations == 0 and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        return self.watches_registrations and self.registrations == 0
 
     def note(self, message: str) -> None:
         """Print one line of bpslaunch's own on stderr."""
@@ -275,6 +310,10 @@ class Supervisor:
             if all(c.code is not None for c in self.children if c.role == "worker"):
                 break
             time.sleep(_POLL_SECONDS)
+        if first_error == 0 and self.none_registered():
+            self.note(NO_WORKER_REGISTERED)
+            self.stop(signal.SIGTERM)
+            return 1
         self.wait_services(services_seconds)
         if self.signals:
             self.stop(self.signals[0])

@@ -65,7 +65,11 @@ class Heartbeat(Message):
 
 @message(Op.HB_ACK)
 class HbAck(Message):
-    """The scheduler is alive."""
+    """The scheduler is alive. Before the rendezvous completes it also says how many workers
+    and servers have registered so far (a waiting process tells its user who is missing)."""
+
+    workers: int | None = optional_integer(0, MAX_NODES)
+    servers: int | None = optional_integer(0, MAX_NODES)
 
 
 @message(Op.LEAVE)

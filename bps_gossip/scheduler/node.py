@@ -17,7 +17,7 @@ import zmq
 
 from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, ConfigError, ProtocolError
-from ..liveness import STOP_REQUEST, LocalProcess, raise_open_files_limit
+from ..liveness import STOP_REQUEST, WORKER_REGISTERED, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
 from ..membership import Membership, Node
 from ..protocol import (
@@ -76,8 +76,9 @@ MAX_WAITS_PER_MEMBER = 16  # open barriers (and commit checks) one member may wa
 class Scheduler:
     """The scheduler's state and its single-threaded event loop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, report_registrations: bool = False) -> None:
         self.config = config
+        self.report_registrations = report_registrations  # to the bpslaunch that started it (liveness.py)
         self.log = get_logger("scheduler", config.log_level)
         warn_if_no_secret(config, self.log)
         self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)
@@ -150,6 +151,8 @@ class Scheduler:
             self._refuse(uid, {}, exc)
             return
         self.log.info("registered %s pid %s on %s", node.role, node.pid, node.host)
+        if self.report_registrations and node.role == "worker":
+            print(f"{WORKER_REGISTERED} {node.pid}", file=sys.stderr, flush=True)
         if node.state == "joining":
             self.changes.joiner(node)
         elif not self.members.started and self.members.complete():
@@ -174,7 +177,10 @@ class Scheduler:
 
     def _on_heartbeat(self, uid: bytes, msg: Heartbeat, node: Node) -> None:
         heard_progress(node, msg.progress, time.monotonic())
-        self._send(uid, HbAck())
+        if self.members.started:
+            self._send(uid, HbAck())
+        else:  # a registered node waiting for the rest: it can tell its user who is missing
+            self._send(uid, HbAck(workers=len(self.members.workers()), servers=len(self.members.servers())))
 
     def _on_leave(self, uid: bytes, msg: Leave, node: Node) -> None:
         joining = node.state == "joining"
@@ -363,16 +369,16 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
         watch.install()
     try:
-        return _run()
+        return _run(watch.report_registrations)
     finally:
         watch.clean_up()
 
 
-def _run() -> int:
+def _run(report_registrations: bool) -> int:
     try:
         config = load_config()
         raise_open_files_limit()
-        scheduler = Scheduler(config)
+        scheduler = Scheduler(config, report_registrations)
         scheduler.run()
         return scheduler.exit_code
     except BpsGossipError as exc:

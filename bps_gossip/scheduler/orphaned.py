@@ -18,17 +18,21 @@ import time
 from collections.abc import Mapping
 
 from ..config import OWNED_SECRET_VAR
+from ..liveness import REGISTRATIONS_VAR
 from ..transport import shm
 
 
 class LauncherWatch:
-    """Notes whether the launcher died; :meth:`clean_up` then removes what it left."""
+    """Notes whether the launcher died (:meth:`clean_up` then removes what it left), and whether it
+    asked for the workers' registrations on stderr."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.owned = env.get("BPS_GOSSIP_SECRET_FILE") if env.get(OWNED_SECRET_VAR) == "1" else None
         self.port = env.get("DMLC_PS_ROOT_PORT", "")
         self.launcher = os.getppid()
         self.died = False
+        # bpslaunch reads the scheduler's stderr for the workers that registered (liveness.py)
+        self.report_registrations = env.get(REGISTRATIONS_VAR) == "1"
 
     def install(self) -> None:
         """Handle SIGHUP, bpslaunch's parent-death signal (main thread only)."""
