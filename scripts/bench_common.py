@@ -20,9 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Tuple
 
 from bps_gossip.compat import zip_exact
 from bps_gossip.launch.local import free_port
@@ -124,6 +124,135 @@ def horovod_note() -> str | None:
     return "Horovod skipped: horovod.mxnet imports, but this benchmark does not launch Horovod jobs yet"
 
 
+# -- CPU by thread ------------------------------------------------------------------------
+# Where a process's CPU went, thread by thread: /proc/<pid>/task/<tid>/stat names the thread
+# (the OS name: ours are set by bps_gossip.thread_names, libzmq names its own) and holds its
+# utime + stime in clock ticks (10 ms); schedstat's first field is the same time on a CPU in
+# nanoseconds, used where the kernel has it.
+
+COMM_THREAD_PREFIXES = ("bpsg-", "ZMQbg/")  # bps_gossip's threads, and ZeroMQ's I/O and reaper threads
+CPU_CLASSES = ("compute", "comm", "other")
+_TICK_SECONDS = 1.0 / os.sysconf("SC_CLK_TCK")
+
+ThreadTimes = Dict[int, Tuple[str, float]]  # tid -> (OS thread name, CPU seconds so far)
+
+
+def parse_stat(text: str) -> tuple[str, float]:
+    """One /proc/<pid>/task/<tid>/stat line -> (thread name, utime + stime in seconds)."""
+    head, _, rest = text.rpartition(")")  # the name may hold spaces and ')': it ends at the last ')'
+    fields = rest.split()  # fields[0] is field 3 (state): utime and stime are fields 14 and 15
+    return head.partition("(")[2], (int(fields[11]) + int(fields[12])) * _TICK_SECONDS
+
+
+def parse_schedstat(text: str) -> float:
+    """/proc/<pid>/task/<tid>/schedstat -> seconds on a CPU (its first field, in nanoseconds)."""
+    return int(text.split()[0]) / 1e9
+
+
+def _schedstat_readable() -> bool:
+    try:
+        parse_schedstat(Path(f"/proc/self/task/{os.getpid()}/schedstat").read_text())
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+CPU_SOURCE = "schedstat" if _schedstat_readable() else "stat"  # what read_threads reads the time from
+
+
+def read_threads(pid: int | str = "self") -> ThreadTimes:
+    """Every live thread of ``pid``: tid -> (OS name, CPU seconds so far); {} once it has exited.
+    A thread that ends between the listing and the reading is left out."""
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return {}
+    threads = {}
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/stat") as stat:
+                name, seconds = parse_stat(stat.read())
+            if CPU_SOURCE == "schedstat":
+                with open(f"{base}/{tid}/schedstat") as sched:
+                    seconds = parse_schedstat(sched.read())
+        except (OSError, ValueError, IndexError):
+            continue
+        threads[int(tid)] = (name, seconds)
+    return threads
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of ``pid``'s live threads together (0.0 once it has exited)."""
+    return sum(seconds for _, seconds in read_threads(pid).values())
+
+
+def named_comm_threads(threads: ThreadTimes) -> set[int]:
+    """The threads whose OS name says they communicate: bps_gossip's and ZeroMQ's."""
+    return {tid for tid, (name, _) in threads.items() if name.startswith(COMM_THREAD_PREFIXES)}
+
+
+def classify_thread(name: str, tid: int, main_name: str, comm_tids: Collection[int]) -> str:
+    """'comm' for a thread of the communication library (``comm_tids``: named as ours or
+    ZeroMQ's, or started by MXNet's ``kv.create``), 'compute' for one under the process's own
+    name ``main_name`` (the Python main thread; MXNet's engine and OpenMP threads inherit it),
+    'other' for the rest (e.g. a thread started by one of ours, which inherits our name)."""
+    if tid in comm_tids:
+        return "comm"
+    return "compute" if name == main_name else "other"
+
+
+def cpu_split(before: ThreadTimes, after: ThreadTimes, main_name: str, comm_tids: Collection[int]) -> dict[str, float]:
+    """CPU seconds by class (CPU_CLASSES) between two readings of one process. A thread born
+    in between counts from zero; one that ended in between is missing (its time is lost)."""
+    split = dict.fromkeys(CPU_CLASSES, 0.0)
+    for tid, (name, seconds) in after.items():
+        start = before[tid][1] if tid in before else 0.0
+        split[classify_thread(name, tid, main_name, comm_tids)] += max(0.0, seconds - start)
+    return split
+
+
+class ThreadClock:
+    """This process's CPU by class of thread over the timed parts of a run."""
+
+    def __init__(self) -> None:
+        self.main_name = read_threads().get(os.getpid(), ("", 0.0))[0]
+        self.comm_tids: set[int] = set()
+        self._start: ThreadTimes = {}
+
+    def start(self) -> None:
+        """Read every thread's time now."""
+        self._start = read_threads()
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds by class since :meth:`start`."""
+        return cpu_split(self._start, read_threads(), self.main_name, self.comm_tids)
+
+    def names(self) -> dict[str, dict[str, int]]:
+        """How many live threads of each name each class has, for the record."""
+        classes: dict[str, dict[str, int]] = {cls: {} for cls in CPU_CLASSES}
+        for tid, (name, _) in read_threads().items():
+            counts = classes[classify_thread(name, tid, self.main_name, self.comm_tids)]
+            counts[name] = counts.get(name, 0) + 1
+        return classes
+
+
+def threads_per_worker(spec: str, workers: int, cores: int | None = None) -> int:
+    """OMP threads per worker from ``--threads``: a count, or 'auto' = the cores this process
+    may run on (os.sched_getaffinity) divided among ``workers``, at least 1."""
+    if spec.strip().lower() == "auto":
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores // workers)
+    try:
+        threads = int(spec)
+    except ValueError:
+        raise SystemExit(f"bad --threads value {spec!r}: use a count such as 8, or auto (cores / workers)") from None
+    if threads < 1:
+        raise SystemExit(f"bad --threads value {spec!r}: at least 1 thread per worker")
+    return threads
+
+
 # -- processes ----------------------------------------------------------------------------
 
 class Job:
@@ -211,6 +340,13 @@ class WorkerGroup:
             for i in range(shape.workers)
         ]
         self.buffers = {proc.pid: b"" for proc in self.workers}
+
+    def support_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the scheduler and of the servers together ({} without them)."""
+        if not self.support:
+            return {}
+        return {"scheduler": process_cpu(self.support[0].pid),
+                "servers": sum(process_cpu(proc.pid) for proc in self.support[1:])}
 
     def _address(self, host: str) -> str:
         return "127.0.0.1" if self.network is None else self.network.address(host)
@@ -347,8 +483,19 @@ def machine_info() -> dict[str, Any]:
     """What was measured where: the code's location, CPUs and load (other jobs skew results)."""
     import bps_gossip
 
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"bps_gossip": str(Path(bps_gossip.__file__).parent), "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}
+            "cpus": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model(),
+            "loadavg": list(os.getloadavg())}
+
+
+def cpu_model() -> str:
+    """The processor's model name from /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def write_json(path: Path | None, data: dict[str, Any]) -> None:

@@ -36,18 +36,24 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
+    CPU_CLASSES,
+    CPU_SOURCE,
     BenchError,
     ClusterShape,
     Job,
     System,
+    ThreadClock,
     WorkerGroup,
     format_table,
     install_sigterm_handler,
     machine_info,
     median,
+    named_comm_threads,
     parse_configs,
+    read_threads,
     serve,
     start_groups,
+    threads_per_worker,
     write_json,
 )
 
@@ -87,16 +93,24 @@ class TrainingWorker:
         self.mx = mx
         self.kind = kind
         self.mode = mode
+        self.clock = ThreadClock()  # CPU by class of thread during the timed passes
         if kind == "bps":
             import mxnet_plugin as bps
 
             bps.init()
             self.bps = bps
             self.rank, self.size = bps.rank(), bps.size()
+            self.clock.comm_tids = named_comm_threads(read_threads())  # our engine thread, ZeroMQ's I/O threads
         elif kind == "local":
             self.rank, self.size = int(os.environ["DMLC_WORKER_ID"]), int(os.environ["DMLC_NUM_WORKER"])
         else:
+            # ps-lite's threads have no names of their own: they are the ones kv.create starts,
+            # once MXNet's engine and OpenMP threads run (a parallel operation starts them).
+            (mx.nd.ones((1 << 20,)) * 2).wait_to_read()
+            before = read_threads()
             self.kv = mx.kv.create("dist_sync")
+            after = read_threads()
+            self.clock.comm_tids = (set(after) - set(before)) | named_comm_threads(after)
             self.rank, self.size = self.kv.rank, self.kv.num_workers
         self.trainer: Any = None
 
@@ -112,7 +126,7 @@ class TrainingWorker:
 
     def hello(self, message: dict[str, Any]) -> dict[str, Any]:
         """Report rank and size once the rendezvous is done."""
-        return {"rank": self.rank, "size": self.size}
+        return {"rank": self.rank, "size": self.size, "pid": os.getpid()}
 
     def setup(self, message: dict[str, Any]) -> dict[str, Any]:
         """Build model, data and trainer, then run the warm-up steps (first step broadcasts)."""
@@ -152,7 +166,8 @@ class TrainingWorker:
             return {"unavailable": f"{type(exc).__name__}: {exc}"}
         self.steps_done = 0
         self.run_steps(message["warmup"])
-        return {"parameters": sum(int(p.data().size) for p in net.collect_params().values())}
+        return {"parameters": sum(int(p.data().size) for p in net.collect_params().values()),
+                "threads": self.clock.names()}
 
     def run_steps(self, steps: int) -> float:
         """``steps`` training steps; returns the last loss (mean over the batch)."""
@@ -174,12 +189,14 @@ class TrainingWorker:
     def timed_pass(self, message: dict[str, Any]) -> dict[str, Any]:
         """Barrier, then time ``steps`` steps."""
         self.barrier()
+        self.clock.start()
         start = time.perf_counter()
         loss = self.run_steps(message["steps"])
         seconds = time.perf_counter() - start
+        cpu = self.clock.stop()
         if not math.isfinite(loss):
             raise BenchError(f"{self.mode} rank {self.rank}: loss is {loss} after {self.steps_done} steps")
-        return {"seconds": seconds, "loss": loss}
+        return {"seconds": seconds, "loss": loss, "cpu": cpu}
 
     def checksum(self, message: dict[str, Any]) -> dict[str, Any]:
         """Sums of every trained parameter (float64) and of their squares, to compare ranks."""
@@ -284,9 +301,35 @@ def check_consistent(group: WorkerGroup) -> dict[str, Any]:
     return {"identical_ranks": len(distinct) == 1, "checksums": sums}
 
 
-def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict[str, Any]:
-    """Every system on one cluster configuration, interleaved pass by pass."""
+def add_cpu(entry: dict[str, Any], replies: list[dict[str, Any]], before: dict[str, float],
+            after: dict[str, float]) -> None:
+    """Add one pass's CPU seconds to ``entry['cpu_seconds']``: the workers' threads by class
+    (summed over workers), the scheduler's and the servers' processes (driver's readings)."""
+    total = entry.setdefault("cpu_seconds", {})
+    for cpu in (r["cpu"] for r in replies):
+        for cls, seconds in cpu.items():
+            total[cls] = total.get(cls, 0.0) + seconds
+    for role in after:
+        total[role] = total.get(role, 0.0) + max(0.0, after[role] - before.get(role, 0.0))
+
+
+def cpu_per_step(cpu_seconds: dict[str, float], workers: int, steps: int) -> dict[str, float]:
+    """CPU milliseconds per training step: a worker's (mean over workers) by class of thread,
+    and the servers' and scheduler's together ('server': the whole job's, not per worker)."""
+    per_step = {cls: cpu_seconds[cls] / (workers * steps) * 1e3 for cls in CPU_CLASSES if cls in cpu_seconds}
+    for role in ("servers", "scheduler"):
+        if role in cpu_seconds:
+            per_step[role] = cpu_seconds[role] / steps * 1e3
+    if "servers" in per_step:
+        per_step["server"] = per_step["servers"] + per_step["scheduler"]
+    return per_step
+
+
+def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on one cluster configuration, interleaved pass by pass, with ``threads``
+    OpenMP threads per worker."""
     argv = [sys.executable, str(Path(__file__).resolve())]
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of every system
     groups = start_groups(job, args.systems, shape, argv)
     results: dict[str, Any] = {}
     try:
@@ -300,12 +343,15 @@ def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict
                 print(f"note: {group.system.name} ({shape.label}) is n/a: {reason}", flush=True)
                 group.close()  # its ranks may disagree about what failed: stop them now
                 continue
-            results[group.system.name] = {"parameters": replies[0]["parameters"], "pass_seconds": []}
+            results[group.system.name] = {"parameters": replies[0]["parameters"], "pass_seconds": [],
+                                          "threads": replies[0]["threads"]}
             live.append(group)
         for index in range(args.passes):
             for group in live if index % 2 == 0 else live[::-1]:
+                before = group.support_cpu()
                 replies = group.command({"cmd": "pass", "steps": args.steps}, 600)
                 entry = results[group.system.name]
+                add_cpu(entry, replies, before, group.support_cpu())
                 entry["pass_seconds"].append(max(r["seconds"] for r in replies))
                 entry["last_loss"] = [r["loss"] for r in replies]
         for group in live:
@@ -316,10 +362,12 @@ def bench_shape(job: Job, shape: ClusterShape, args: argparse.Namespace) -> dict
             entry["ms_per_step"] = seconds / args.steps * 1e3
             # Other jobs on the VM make passes bimodal; the best pass shows the uncontended speed.
             entry["best_samples_per_s"] = shape.workers * args.batch * args.steps / min(entry["pass_seconds"])
+            entry["cpu_ms_per_step"] = cpu_per_step(entry["cpu_seconds"], shape.workers, args.steps * args.passes)
     finally:
         for group in groups:
             group.close()
-    return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "systems": results}
+    return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "threads": threads,
+            "systems": results}
 
 
 def _ratio(entry: dict[str, Any], ref: dict[str, Any], key: str) -> str:
@@ -327,8 +375,20 @@ def _ratio(entry: dict[str, Any], ref: dict[str, Any], key: str) -> str:
     return f"{entry[key] / ref[key]:.2f}x" if key in ref else "n/a"
 
 
+CPU_COLUMNS = ("compute", "comm", "other", "server")  # keys of cpu_ms_per_step shown, in this order
+
+
+def _cpu_cells(system: System, entry: dict[str, Any]) -> list[str]:
+    """CPU ms per step by class; '-' where the system has no such threads or processes."""
+    cpu = entry.get("cpu_ms_per_step", {})
+    absent = {"comm", "server"} if system.kind == "local" else set()
+    return ["-" if key in absent or key not in cpu else f"{cpu[key]:.1f}" for key in CPU_COLUMNS]
+
+
 def format_results(records: list[dict[str, Any]]) -> str:
-    """One row per (configuration, system): samples/s, ms/step and the ratio to MXNet."""
+    """One row per (configuration, system): samples/s, ms/step, the ratios to MXNet and to the
+    ceiling, and where the CPU went (ms per step: a worker's compute and communication
+    threads, its other threads, all servers and the scheduler)."""
     rows = []
     for rec in records:
         ref = rec["systems"].get(REFERENCE, {})
@@ -337,19 +397,27 @@ def format_results(records: list[dict[str, Any]]) -> str:
             if system.name not in rec["systems"]:
                 continue  # not selected with --systems
             entry = rec["systems"].get(system.name, {})
+            head = [rec["config"], str(rec.get("threads", "")), system.name]
             if "samples_per_s" not in entry:
-                rows.append([rec["config"], system.name, *["n/a"] * 6])
+                rows.append([*head, *["n/a"] * (6 + len(CPU_COLUMNS))])
                 continue
-            rows.append([rec["config"], system.name, f"{entry['samples_per_s']:.0f}", f"{entry['ms_per_step']:.1f}",
+            rows.append([*head, f"{entry['samples_per_s']:.0f}", f"{entry['ms_per_step']:.1f}",
                          _ratio(entry, ref, "samples_per_s"), _percent(entry, ceiling),
-                         f"{entry['best_samples_per_s']:.0f}", _ratio(entry, ref, "best_samples_per_s")])
-    return format_table(["config", "system", "samples/s", "ms/step", "ratio vs mxnet", "% of ceiling",
-                         "best pass samples/s", "best ratio"], rows)
+                         f"{entry['best_samples_per_s']:.0f}", _ratio(entry, ref, "best_samples_per_s"),
+                         *_cpu_cells(system, entry)])
+    return format_table(["config", "threads", "system", "samples/s", "ms/step", "ratio vs mxnet", "% of ceiling",
+                         "best pass samples/s", "best ratio", *[f"{key} ms/step" for key in CPU_COLUMNS]], rows)
 
 
 def _percent(entry: dict[str, Any], ceiling: dict[str, Any]) -> str:
     key = "samples_per_s"
     return f"{100 * entry[key] / ceiling[key]:.0f}%" if key in ceiling else "n/a"
+
+
+def cores_note() -> str:
+    """The cores this process may use, as the header says it ('auto' divides them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} usable cores"
 
 
 def parse_args() -> argparse.Namespace:
@@ -361,13 +429,15 @@ def parse_args() -> argparse.Namespace:
                         help="mlp (1024-2048-2048-10), or a Gluon model-zoo CNN at 32x32 inputs")
     parser.add_argument("--batch", type=int, help="samples per worker and step (default: mlp 64, "
                         "resnet18_v1 16, mobilenet0.25 32)")
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every worker (default 1: "
-                        "2 workers fill 2 cores, as in the no-communication ceiling)")
+    parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of every worker: a count, 'auto' "
+                        "(the cores this process may use / workers: every core computes), or several, "
+                        "comma-separated, each a run of every configuration (default 1: 2 workers fill 2 cores)")
     parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
     parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps after building the trainer")
-    parser.add_argument("--systems", help="comma-separated substrings of the rows to run, e.g. 'allreduce' "
-                        f"(default: all; {REFERENCE!r} always runs)")
+    parser.add_argument("--systems", help="comma-separated substrings of the rows to run, e.g. 'allreduce', or "
+                        "'main': one row per entry point, no variants (default: all; "
+                        f"{REFERENCE!r} and {CEILING!r} always run)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
@@ -377,9 +447,13 @@ def parse_args() -> argparse.Namespace:
     args.batch = args.batch or MODELS[args.model]
     args.steps = args.steps or (5 if args.quick else 10)
     args.passes = args.passes or (3 if args.quick else 5)
+    args.thread_specs = [part.strip() for part in args.threads.split(",") if part.strip()] or ["1"]
+    for spec in args.thread_specs:
+        threads_per_worker(spec, 1)  # a bad value stops here, before any cluster starts
     wanted = [part.strip() for part in (args.systems or "").split(",") if part.strip()]
     args.systems = [system for system in SYSTEMS if system.name in (REFERENCE, CEILING)
-                    or not wanted or any(w in system.name for w in wanted)]
+                    or not wanted or any(w in system.name for w in wanted)
+                    or ("main" in wanted and not system.env)]
     return args
 
 
@@ -389,11 +463,12 @@ def main() -> int:
     if args.worker_kind:
         return worker_main(args.worker_kind, args.worker_mode)
     install_sigterm_handler()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every process of every system
     model = f"MLP {'-'.join(map(str, LAYERS))}" if args.model == "mlp" else f"{args.model} (32x32)"
-    print(f"{model}, batch {args.batch} per worker, OMP_NUM_THREADS={args.threads}, {args.steps} steps per pass, "
-          f"median of {args.passes} passes; ratio = samples/s / {REFERENCE}'s (>1: faster than MXNet)\n",
-          flush=True)
+    print(f"{model}, batch {args.batch} per worker, OMP_NUM_THREADS={args.threads} ({cores_note()}), "
+          f"{args.steps} steps per pass, median of {args.passes} passes; ratio = samples/s / {REFERENCE}'s "
+          "(>1: faster than MXNet); CPU ms per step: a worker's compute threads (its Python, MXNet's engine and "
+          "OpenMP), its communication threads (ours or ps-lite's, ZeroMQ's), its other threads, and all servers "
+          f"and the scheduler together (from /proc/<pid>/task/*/{CPU_SOURCE})\n", flush=True)
     started = time.monotonic()
     info = machine_info()
     records = []
@@ -403,8 +478,9 @@ def main() -> int:
         job = Job(logdir)
         try:
             for shape in args.shapes:
-                records.append(bench_shape(job, shape, args))
-                print(format_results(records[-1:]) + "\n", flush=True)
+                for spec in args.thread_specs:
+                    records.append(bench_shape(job, shape, threads_per_worker(spec, shape.workers), args))
+                    print(format_results(records[-1:]) + "\n", flush=True)
         except BenchError as exc:
             print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr)
             return 1
@@ -414,7 +490,8 @@ def main() -> int:
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     write_json(args.json, {"what": "training", "machine_at_start": info, "machine_at_end": machine_info(),
                            "model": args.model, "layers": LAYERS, "batch": args.batch, "steps": args.steps,
-                           "passes": args.passes, "warmup_steps": args.warmup, "results": records})
+                           "passes": args.passes, "warmup_steps": args.warmup, "threads": args.thread_specs,
+                           "cpu_source": CPU_SOURCE, "results": records})
     return 0
 
 

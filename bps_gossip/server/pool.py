@@ -16,6 +16,7 @@ import numpy as np
 
 from ..aggregation import Round, RoundId
 from ..compat import shutdown_dropping_queued
+from ..thread_names import PREFIX, name_this_thread
 
 Done = Tuple[RoundId, Optional[str]]  # a completed round, and the error of a summation that failed
 
@@ -24,7 +25,8 @@ class SumPool:
     """Adds payloads into rounds on worker threads; :meth:`finished` hands completed rounds back."""
 
     def __init__(self, threads: int) -> None:
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bps-sum")
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bps-sum", initializer=name_this_thread,
+                                       initargs=(PREFIX + "sum",))
         self.done_r, self.done_w = os.pipe()
         os.set_blocking(self.done_r, False)
         self.done: queue.SimpleQueue[Done] = queue.SimpleQueue()

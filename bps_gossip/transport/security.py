@@ -35,6 +35,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ConfigError
+from ..thread_names import named
 
 MIN_SECRET_CHARS = 16
 MAX_TRACKED_CONNECTIONS = 4096  # accepted connections whose peers a FailedHandshakes remembers
@@ -169,7 +170,8 @@ class FailedHandshakes:
         self._due = 0.0  # nor before this (the first failure of a line, and a moment)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="bpsg-handshakes", daemon=True)
+        self._thread = threading.Thread(target=named("bpsg-handshakes", self._watch), name="bpsg-handshakes",
+                                        daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:

@@ -29,6 +29,7 @@ from ..config import Config, warn_if_no_secret
 from ..errors import BpsGossipError, NotInitializedError, PeerLostError, WorkersChangedError
 from ..futures import Future, complete, fail, wait
 from ..logs import get_logger
+from ..thread_names import ENGINE, named
 from ..transport.security import routing_id
 from ..transport.shm import SegmentPool, shm_available
 from . import commands as cmd
@@ -89,7 +90,7 @@ class Engine:
             cmd.PeerAck: self.peers.ack, cmd.PeerExpect: self.peers.expect, cmd.PeerBlocked: self.peers.blocked,
         }
         self.peers.entered = self.entered  # a peer's collective this rank has not entered: out of step
-        self._thread = threading.Thread(target=self._main, name="bps-gossip-engine", daemon=True)
+        self._thread = threading.Thread(target=named(ENGINE, self._main), name="bps-gossip-engine", daemon=True)
 
     # ------------------------------------------------------------------ API side
     def start(self) -> Book:
