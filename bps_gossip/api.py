@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import placement
 from . import runtime as _state
 from .collectives import (  # noqa: F401 - the API's collectives, importable from here too
     broadcast,
@@ -61,11 +62,14 @@ def init(config: Config | None = None) -> None:
             )
         if config.distributed:
             install_interrupt_summary(_where, config.log_level)  # Ctrl-C: one line per worker
+            placement.check_here(config.placement)  # a bad BPS_GOSSIP_COMM_CORES fails before joining
+            threads = placement.thread_ids()  # those started from here on communicate
             engine = Engine(config)
             try:
                 book = engine.start()
             except JobEndedError as exc:
                 exit_job_over(exc)
+            engine.log.info(placement.place_worker(config.placement, book.local_size, book.local_rank, threads))
             _state.replace(Runtime(config, engine, book.rank, book.size, book.local_rank,
                                    book.local_size, book.generation))
         else:

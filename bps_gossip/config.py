@@ -19,6 +19,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from . import placement
 from .errors import ConfigError
 from .host_groups import HOST_REDUCE_MODES
 from .transport.security import JobKeys
@@ -75,6 +76,7 @@ class Config:
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
     no_secret_noted: bool = False  # NO_SECRET_NOTED_VAR: the launcher said it once for the job
+    placement: placement.Options = placement.Options()  # BPS_GOSSIP_COMM_CORES, BPS_GOSSIP_AFFINITY
 
     @property
     def scheduler_address(self) -> str:
@@ -308,7 +310,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
-        server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", min(4, os.cpu_count() or 1), minimum=1),
+        server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", min(4, placement.usable_cpus()), minimum=1),
         log_level=log_level,
         force_distributed=env_flag(env, "BYTEPS_FORCE_DISTRIBUTED", False),
         min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),
@@ -325,6 +327,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),
         no_secret_noted=env_flag(env, NO_SECRET_NOTED_VAR, False),
+        placement=placement.options(env),
     )
     if role != "worker" or config.distributed:
         if config.root_port is None:
@@ -354,8 +357,7 @@ def _shape(env: Mapping[str, str]) -> dict[str, Any]:
     worker_id = _int(env, "DMLC_WORKER_ID", None, minimum=0)
     if worker_id is not None and worker_id >= num_worker:
         raise ConfigError(f"DMLC_WORKER_ID={worker_id} must be smaller than DMLC_NUM_WORKER={num_worker}")
-    return {"num_worker": num_worker, "num_server": num_server, "root_uri": root_uri, "root_port": root_port,
-            "worker_id": worker_id, "local_rank": local_rank, "local_size": local_size}
+    return {"num_worker": num_worker, "num_server": num_server, "root_uri": root_uri, "root_port": root_port, "worker_id": worker_id, "local_rank": local_rank, "local_size": local_size}
 
 
 def _timeouts(env: Mapping[str, str]) -> dict[str, float]:
@@ -386,8 +388,7 @@ def _elastic(env: Mapping[str, str], initial_workers: int) -> dict[str, Any]:
     if elastic and max_workers and initial_workers > max_workers:
         raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {initial_workers} initial workers "
                           f"exceed BPS_GOSSIP_MAX_WORKERS={max_workers}")
-    return {"elastic": elastic, "min_workers": min_workers, "max_workers": max_workers,
-            "elastic_timeout": _float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0)}
+    return {"elastic": elastic, "min_workers": min_workers, "max_workers": max_workers, "elastic_timeout": _float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0)}
 
 
 def _trace(env: Mapping[str, str]) -> dict[str, Any]:
@@ -396,5 +397,4 @@ def _trace(env: Mapping[str, str]) -> dict[str, Any]:
     trace_end = _int(env, "BYTEPS_TRACE_END_STEP", 20, minimum=1)
     if trace_end <= trace_start:
         raise ConfigError(f"BYTEPS_TRACE_END_STEP={trace_end} must exceed BYTEPS_TRACE_START_STEP={trace_start}")
-    return {"trace_on": env_flag(env, "BYTEPS_TRACE_ON", False), "trace_start": trace_start, "trace_end": trace_end,
-            "trace_dir": _get(env, "BYTEPS_TRACE_DIR") or "."}
+    return {"trace_on": env_flag(env, "BYTEPS_TRACE_ON", False), "trace_start": trace_start, "trace_end": trace_end, "trace_dir": _get(env, "BYTEPS_TRACE_DIR") or "."}

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from .. import placement
 from ..config import TRAINER_MODES
 from ..errors import ConfigError
 from .backend import Backend
@@ -121,6 +122,15 @@ failed worker's code or the scheduler's (1).""",
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
                              "(SGP, the default), allreduce (BytePS's gradient averaging) or auto (whichever "
                              "trains faster, measured while training)")
+    placing = parser.add_argument_group("placement: where threads run (see docs/performance.md, Placement)")
+    placing.add_argument("--comm-cores", metavar="N",
+                         help="cores of this host reserved for communication (the scheduler, servers and each "
+                              "worker's communication threads); the workers compute on the rest, each on its own "
+                              f"share (sets {placement.COMM_CORES_VAR}; default auto: one a worker where each keeps "
+                              f"{placement.MIN_COMPUTE_CORES} or more to compute, else none; 0: none)")
+    placing.add_argument("--no-affinity", action="store_true",
+                         help=f"pin no process or thread to cores (sets {placement.AFFINITY_VAR}=0); thread counts "
+                              "still follow the plan unless OMP_NUM_THREADS is set")
     multi = parser.add_argument_group("several hosts over ssh (as horovodrun and mpirun)")
     multi.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
                        help="the hosts and how many workers each may run, e.g. host1:4,host2:4 (slots "
@@ -164,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     Supervisor.output_dir, Supervisor.timestamps = args.output_dir, args.timestamps
     if args.mode is not None:  # every child inherits it, whichever way the job is launched
         os.environ["BPS_GOSSIP_MODE"] = args.mode
+    if args.comm_cores is not None:
+        os.environ[placement.COMM_CORES_VAR] = args.comm_cores
+    if args.no_affinity:
+        os.environ[placement.AFFINITY_VAR] = "0"
     try:
         check_options(args)
         if args.join:

@@ -15,17 +15,18 @@ import os
 import socket
 from collections.abc import Mapping
 
+from .. import placement
 from ..config import OWNED_SECRET_VAR, Config, load_config
 from ..errors import ConfigError
 from ..liveness import REGISTRATIONS_VAR
 from ..transport import shm
-from .backend import Backend, Process, check_command
+from .backend import Backend, Process, check_command, note
 from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay
 from .secret_files import make_secret_file
 from .supervisor import Child, Supervisor
 
 # Local mode owns these: every process runs on this machine, in one job.
-_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT", OWNED_SECRET_VAR)
+_LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT", OWNED_SECRET_VAR, placement.PLACED_VAR)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,10 +95,24 @@ class LocalBackend(Backend):
                          for i in range(self.num_servers)]
         for service in services:
             load_config(service.env)
+        if services:
+            self._place(services)
         if self.secret_file is not None and services:  # the scheduler removes it if bpslaunch is killed
             services[0].env[OWNED_SECRET_VAR] = "1"
         return services + [Process("worker", f"worker {rank}", f"[{rank}] ", env)
                            for rank, env in enumerate(self.workers)]
+
+    def _place(self, services: list[Process]) -> None:
+        """Give each worker its cores and thread counts, and the scheduler and servers the
+        communication cores (bps_gossip.placement)."""
+        assert self.config is not None
+        placed = placement.plan_here(self.num_proc, self.workers[0], self.config.placement)
+        for rank, env in enumerate(self.workers):
+            env.update(placement.worker_env(placed, rank))
+        for service in services:
+            service.env.update(placement.service_env(placed))
+        if placed.pinned:
+            note(placed.summary())
 
     def supervise(self, sup: Supervisor, children: list[Child], command: list[str]) -> int:
         assert self.config is not None and self.port is not None

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO
 
+from .. import placement
 from ..compat import zip_exact
 from ..liveness import REGISTRATIONS_VAR, STOP_REQUEST, WORKER_REGISTERED, start_ticks
 from ..transport import shm
@@ -52,11 +53,11 @@ def _dies_with_parent(signum: int, parent: int):  # noqa: ANN202 - a preexec_fn
 def start_in_session(argv: list[str], env: Mapping[str, str], parent_death: int | None = None,
                      **popen: object) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new session (its own process group), so that
-    :func:`kill_groups` stops it and everything it started. ``parent_death``: the signal it gets
-    when this process ends (Linux; only from the main thread, since the kernel sends it when the
-    forking thread ends). ``popen``: Popen's stream arguments."""
-    if parent_death is not None and _prctl is not None and threading.current_thread() is threading.main_thread():
-        popen["preexec_fn"] = _dies_with_parent(parent_death, os.getpid())
+    :func:`kill_groups` stops it and everything it started, on the CPUs ``env``'s placement names (bps_gossip.placement).
+    ``parent_death``: the signal it gets when this process ends (Linux; only from the main thread, since the kernel
+    sends it when the forking thread ends). ``popen``: Popen's stream arguments."""
+    armed = parent_death is not None and _prctl is not None and threading.current_thread() is threading.main_thread()
+    popen["preexec_fn"] = placement.start_on_cpus(env, _dies_with_parent(parent_death, os.getpid()) if armed else None)
     return subprocess.Popen(argv, env=dict(env), start_new_session=True, **popen)  # type: ignore[call-overload]
 
 
