@@ -128,7 +128,9 @@ def plan(cpus: Sequence[int], workers: int, env: Mapping[str, str], opts: Option
         units, opts = units[:quota], Options(opts.comm_cores, False)
     reserve = _reserve(len(units), len(cpus), workers, opts.comm_cores, omp, notes)
     shares, spare = _split(units[:len(units) - reserve], workers)
-    per_worker = len(shares[0]) if reserve else max(1, len(units) // workers)
+    # Unreserved, a worker gets its share but never more than MXNet's own default (half the CPUs):
+    # alone on a small host it leaves communication room, as before (docs/performance.md, Placement).
+    per_worker = len(shares[0]) if reserve else min(len(units) // workers, sum(map(len, units)) // 2)
     threads = omp or max(1, per_worker // mxnet_workers)
     if omp and reserve and omp > len(shares[0]):
         notes.append(f"OMP_NUM_THREADS={omp} exceeds the {len(shares[0])} compute cores of each worker")
@@ -141,6 +143,7 @@ def plan(cpus: Sequence[int], workers: int, env: Mapping[str, str], opts: Option
                      "the reserved cores free")
     unset = [name for name in THREAD_VARS if not (env.get(name) or "").strip()]
     set_env = {name: str(threads) if name == "OMP_NUM_THREADS" else "1" for name in unset}
+    set_env.update(_wait_policy(env, threads, workers, len(units), notes))
     return Plan(len(units), workers, compute, comm, threads, set_env, tuple(notes))
 
 
@@ -163,6 +166,20 @@ def _user_threads(env: Mapping[str, str]) -> tuple[int | None, int, list[str]]:
             notes.append(f"the user's {name}={raw} kept" + ("" if values[-1] else " (not a positive number: "
                                                                                  "planned as if unset)"))
     return values[0], values[1] or 1, notes
+
+
+def _wait_policy(env: Mapping[str, str], threads: int, workers: int, cores: int, notes: list[str]) -> dict[str, str]:
+    """OMP_WAIT_POLICY=PASSIVE where the workers' OpenMP threads outnumber the cores: an idle thread
+    then sleeps at once instead of spinning on a core another team needs (two workers x 2 threads
+    on 2 cores train 8x faster so; where each team has its cores, spinning is faster and stays)."""
+    mine = [name for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if (env.get(name) or "").strip()]
+    if mine:
+        notes.extend(f"the user's {name}={env[name].strip()} kept" for name in mine)
+        return {}
+    if threads < 2 or workers * threads <= cores:
+        return {}
+    notes.append(f"{workers} x {threads} OpenMP threads on {cores} core(s): idle ones sleep (OMP_WAIT_POLICY=PASSIVE)")
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _reserve(cores: int, cpus: int, workers: int, asked: int | None, omp: int | None, notes: list[str]) -> int:
@@ -358,10 +375,12 @@ def place_worker(opts: Options, local_size: int, local_rank: int, before: set[in
     if len(cpus) < online:
         return f"placement: this process's affinity (cpus {format_cpus(cpus)}) was set before init(): kept"
     placed = plan(cpus, local_size, env, opts, siblings, online, cpu_quota())
-    if _openmp_started() and "OMP_NUM_THREADS" in placed.env:
-        return (f"placement: nothing reserved or pinned ({local_size} worker(s) on {placed.cores} core(s)): an "
-                "OpenMP runtime loaded before init() chose its own thread count; set OMP_NUM_THREADS (e.g. "
-                f"{placed.threads}), or start with bpslaunch, to place them")
+    if _openmp_started():
+        if "OMP_NUM_THREADS" in placed.env:
+            return (f"placement: nothing reserved or pinned ({local_size} worker(s) on {placed.cores} core(s)): an "
+                    "OpenMP runtime loaded before init() chose its own thread count; set OMP_NUM_THREADS (e.g. "
+                    f"{placed.threads}), or start with bpslaunch, to place them")
+        placed = dataclasses.replace(placed, env={}, notes=(*placed.notes, "no variable set: OpenMP is loaded"))
     os.environ.update(placed.env)  # for OpenMP runtimes loaded from now on
     if placed.pinned:
         _pin(thread_ids() - comm_threads, placed.compute[local_rank])

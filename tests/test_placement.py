@@ -36,6 +36,22 @@ def test_this_machine_two_workers_on_two_cores_reserve_nothing():
     assert "nothing reserved: 2 core(s) for 2 worker(s) is fewer than 5 per worker" in placed.describe(0)
 
 
+def test_a_worker_alone_on_a_small_host_leaves_communication_a_core():
+    """As MXNet's own default (half the CPUs), not every core: its server and engine need one."""
+    placed = plan(cores(2), 1, {})
+    assert not placed.pinned and placed.env["OMP_NUM_THREADS"] == "1"
+    assert plan(cores(4), 1, {}).threads == 2
+
+
+def test_outnumbering_threads_sleep_when_idle():
+    """2 workers x 2 threads on 2 cores: spinning OpenMP threads starve the other team."""
+    placed = plan(cores(2), 2, {"OMP_NUM_THREADS": "2"})
+    assert placed.env["OMP_WAIT_POLICY"] == "PASSIVE" and "idle ones sleep" in placed.describe(0)
+    placed = plan(cores(2), 2, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active"})
+    assert "OMP_WAIT_POLICY" not in placed.env and "the user's OMP_WAIT_POLICY=active kept" in placed.describe(0)
+    assert "OMP_WAIT_POLICY" not in plan(cores(2), 4, {"OMP_NUM_THREADS": "1"}).env  # no team, nothing spins
+
+
 def test_sixteen_cores_two_workers_every_core_computes():
     placed = plan(cores(16), 2, {})
     assert placed.pinned
@@ -52,8 +68,9 @@ def test_shares_are_equal_disjoint_and_inside_the_cores(ncores, workers):
     placed = plan(cores(ncores), workers, {})
     reserving = ncores >= workers * (placement.MIN_COMPUTE_CORES + 1)
     assert placed.pinned == reserving
-    if not reserving:
-        assert placed.comm == () and placed.threads == max(1, ncores // workers)
+    assert "OMP_WAIT_POLICY" not in placed.env, "our own thread counts never outnumber the cores"
+    if not reserving:  # each its share, never more than MXNet's own default (half the CPUs)
+        assert placed.comm == () and placed.threads == max(1, min(ncores // workers, ncores // 2))
         return
     shares = [set(share) for share in placed.compute]
     assert len({len(share) for share in shares}) == 1, "every worker computes on as many cores"
