@@ -12,7 +12,12 @@ BPS_GOSSIP_HOST_REDUCE on or off) runs its own scheduler, servers and workers; t
 one worker count are alive together and driven pass by pass in turn (order reversed every
 other pass), so they see the same machine. The overhead of a step is its time minus the
 compute (median over a rank's timed steps, the slowest rank's), and every result is checked
-against the exact sum.
+against the exact sum. Beside the ratio to the bound, each row shows its overhead over that of
+the fewest servers with the same host reduce (more servers should never be slower), the
+busiest server's share of a step's bytes (a partition's server follows a hash of its tensor's
+name, BYTEPS_PARTITION_BYTES sets the partitions: both reach every process from this
+environment) and the CPU milliseconds per step of the workers and of the servers (with the
+scheduler), from /proc.
 
 The bound is the memory traffic no single-host design avoids when every worker's gradients
 live in its own process: each worker's gradient copied in (to where the reduce reads it), the
@@ -23,13 +28,16 @@ sum reading every worker's gradient once, and the result copied out to each work
 B is the model's gradient bytes, copy(B) the time np.copyto takes for B bytes and sum(N, B) that
 of a cache-blocked sum of N buffers of B bytes (each read once, the result written once), both
 measured on this machine right before every pass, on N distinct buffers (the working set of the
-run; at most MEASURE_BYTES of them, the time scaled by N over their count), the fastest of five
-repeats (the median over passes). With the sum reading at about copy's speed this is about 3 x N x B / memcpy bandwidth.
-Both data paths today move more: every worker's copy in and out, N-1 pairwise adds of two
-buffers into a third (the first pusher's region: a server's, or with host reduce the host
-leader's), and N-1 more copies of the sum into the others' regions. The bound is one core's:
-on a machine with cores to spare, copies of different workers overlap and the ratio can go
-below 1.
+run; at most MEASURE_BYTES of them): every 4 MiB piece of a copy and every 1 MiB piece (of each
+buffer) of the sum timed alone, the fastest of three repeats counting (other processes only
+ever add time), the median over passes. With the sum reading at about copy's speed this is
+about 3 x N x B / memcpy bandwidth.
+
+What the data paths move today (shared memory on one host): each worker's copy in (to its
+segment) and out; N-1 pairwise additions into the first pusher's region, each reading two
+buffers and writing one (on the servers' threads, or with host reduce on the host leader's
+engine thread); and N-1 copies of the sum into the other workers' regions. The bound is one
+core's: where cores are to spare, different workers' copies overlap and the ratio can go below 1.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ SMALL_BYTES = 256 * 1024  # mxnet_plugin.fusion: gradients up to this size are f
 BUCKET_BYTES = 4 * 1024 * 1024  # ... into buckets cut once they hold this much
 MEASURE_BYTES = 1 << 30  # at most this much memory for the bandwidth measurement's buffers
 BLOCK = 32768  # elements per block of the blocked sum (128 KiB of float32: stays in cache)
+CHUNK = 1 << 18  # elements of every buffer summed per timed piece of the bandwidth measurement (1 MiB)
 HOST_REDUCE = ("off", "on")
 
 
@@ -166,27 +175,31 @@ def buffer_count(workers: int, nbytes: int) -> int:
     return max(2, min(workers, MEASURE_BYTES // (2 * max(nbytes, 1))))
 
 
-def measure_bandwidth(workers: int, nbytes: int, repeats: int = 5) -> dict[str, float]:
+def measure_bandwidth(workers: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per byte of np.copyto and of a blocked sum, on ``workers`` buffers of ``nbytes``
-    (fewer, if they would take more than MEASURE_BYTES: the sum needs two sets), the fastest of
-    ``repeats``."""
+    (fewer, if they would take more than MEASURE_BYTES: the sum needs two sets). Each 4 MiB
+    piece of a copy and each CHUNK of the sum (across every buffer) is timed on its own,
+    ``repeats`` times, and the fastest counts: other processes only ever add time (CPU steal, a
+    busy core), and a short piece is less often interrupted than the whole."""
     count = buffer_count(workers, nbytes)
     elements = max(nbytes // 4, 1)
     sources = [np.full(elements, i + 1, np.float32) for i in range(count)]
     targets = [np.full(elements, -1, np.float32) for _ in range(count)]  # written: no page faults timed
-    copies, sums = [], []
+    copy, total = float("inf"), float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
         for src, dst in zip(sources, targets):
-            np.copyto(dst, src)
-        copies.append((time.perf_counter() - start) / (count * elements * 4))
-        start = time.perf_counter()
-        blocked_sum(sources, targets[0])
-        sums.append((time.perf_counter() - start) / (count * elements * 4))
+            for first in range(0, elements, 4 * CHUNK):
+                start = time.perf_counter()
+                np.copyto(dst[first:first + 4 * CHUNK], src[first:first + 4 * CHUNK])
+                copy = min(copy, (time.perf_counter() - start) / dst[first:first + 4 * CHUNK].nbytes)
+        for first in range(0, elements, CHUNK):
+            chunk = [buf[first:first + CHUNK] for buf in sources]
+            start = time.perf_counter()
+            blocked_sum(chunk, targets[0][first:first + CHUNK])
+            total = min(total, (time.perf_counter() - start) / (count * chunk[0].nbytes))
     if targets[0][0] != count * (count + 1) / 2:
         raise BenchError(f"the blocked sum is wrong: {targets[0][0]}")
-    # The fastest repeat: other processes only ever add time (this machine's CPU steal, a busy core).
-    return {"copy_s_per_byte": min(copies), "sum_s_per_byte": min(sums), "buffers": count}
+    return {"copy_s_per_byte": copy, "sum_s_per_byte": total, "buffers": count}
 
 
 # -- worker side --------------------------------------------------------------------------
