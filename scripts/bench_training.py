@@ -22,11 +22,25 @@ what ``kvstore='dist_sync'`` creates too) so that the benchmark can use its barr
 with one device it updates on the servers (``update_on_kvstore``), MXNet's default.
 Allreduce and dist_sync keep every rank's parameters identical: the driver checks
 that at the end and aborts if not. A gossip trainer that cannot be built prints n/a.
+
+Where the CPU went, per training step (from /proc/<pid>/task/<tid>, read by each worker
+around its timed steps and by the driver for the servers and the scheduler): "compute" is
+a worker's threads under the process's own name (its Python, MXNet's engine and OpenMP
+threads), "comm" its communication threads (ours are named bpsg-... by
+bps_gossip.thread_names, ZeroMQ's ZMQbg/...; for MXNet, the threads ``mx.kv.create``
+starts: ps-lite's), "other" any other thread of a worker (mean over workers), and
+"server" all servers and the scheduler together. Work a system does on the training
+thread or on MXNet's engine threads (ours: queueing a push_pull; MXNet's: serializing
+its pushes) counts as compute: compare each row's compute with the ceiling's.
+``--threads auto`` gives each worker the usable cores / workers (every core computes);
+``--systems main`` keeps one row per entry point; ``--summarize`` prints earlier runs'
+JSON as one Markdown table (scripts/bench_host.sh runs the 16-core set in one command).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -414,6 +428,35 @@ def _percent(entry: dict[str, Any], ceiling: dict[str, Any]) -> str:
     return f"{100 * entry[key] / ceiling[key]:.0f}%" if key in ceiling else "n/a"
 
 
+def summarize(paths: list[Path]) -> str:
+    """The results of earlier runs (their --json files) as one Markdown table, and under it the
+    lowest % of the ceiling among our rows of each configuration."""
+    lines = ["| model | config | threads | system | samples/s | % of ceiling | vs MXNet | compute ms/step | "
+             "comm ms/step | other ms/step | server ms/step |", "|" + "---|" * 11]
+    lowest = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        for rec in data["results"]:
+            ref = rec["systems"].get(REFERENCE, {})
+            ceiling = rec["systems"].get(CEILING, {})
+            ours = []
+            for system in (s for s in SYSTEMS if s.name in rec["systems"]):
+                entry = rec["systems"][system.name]
+                if "samples_per_s" not in entry:
+                    continue
+                percent = _percent(entry, ceiling)
+                lines.append(f"| {data['model']} | {rec['config']} | {rec.get('threads', '')} | {system.name} | "
+                             f"{entry['samples_per_s']:.0f} | {percent} | {_ratio(entry, ref, 'samples_per_s')} | "
+                             + " | ".join(_cpu_cells(system, entry)) + " |")
+                if system.kind == "bps" and "samples_per_s" in ceiling:
+                    ours.append((entry["samples_per_s"] / ceiling["samples_per_s"], system.name))
+            if ours:
+                share, name = min(ours)
+                lowest.append(f"{data['model']} {rec['config']} x {rec.get('threads', '?')} threads: "
+                              f"lowest of ours {100 * share:.0f}% of the ceiling ({name})")
+    return "\n".join(lines + [""] + lowest)
+
+
 def cores_note() -> str:
     """The cores this process may use, as the header says it ('auto' divides them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -439,6 +482,8 @@ def parse_args() -> argparse.Namespace:
                         "'main': one row per entry point, no variants (default: all; "
                         f"{REFERENCE!r} and {CEILING!r} always run)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--summarize", nargs="+", type=Path, metavar="JSON",
+                        help="print earlier runs' --json files as one Markdown table, and run nothing")
     parser.add_argument("--logdir", type=Path, help="keep process logs here (default: a temporary directory)")
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
     parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
@@ -462,6 +507,9 @@ def main() -> int:
     args = parse_args()
     if args.worker_kind:
         return worker_main(args.worker_kind, args.worker_mode)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
     install_sigterm_handler()
     model = f"MLP {'-'.join(map(str, LAYERS))}" if args.model == "mlp" else f"{args.model} (32x32)"
     print(f"{model}, batch {args.batch} per worker, OMP_NUM_THREADS={args.threads} ({cores_note()}), "

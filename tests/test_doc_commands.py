@@ -154,6 +154,9 @@ class Checker:
             self.bpslaunch(where, rest)
         elif program in OTHERS:
             self.other(where, rest)
+        elif program == "bash" and rest[:1] and rest[0].endswith(".sh"):  # a shell script of ours
+            if rest[0] not in self.tracked:
+                self.problems.append(f"{where}: {rest[0]} is not a file of the repository")
         else:
             self.problems.append(f"{where}: unknown program {program!r} (add it to this test's lists)")
 
@@ -300,6 +303,7 @@ BROKEN = """
 ```
 sudo .venv/bin/python scripts/netns_cluster.py --time-to-accuracy --workers 4 --epochs 10 [--repeats 2]
 python scripts/missing.py --fast
+bash scripts/missing.sh out
 bpslaunch --np 4 python train.py
 BPS_GOSSIP_HOST_REDUCE=sometimes BPS_GOSSIP_NO_SUCH=1 bpslaunch -np 2 python train.py
 mpirun -np 4 bpslaunch --root 127.0.0.1:PORT python train.py
@@ -320,6 +324,7 @@ def test_the_check_finds_what_does_not_run():
         "sudo (not everywhere there is one: say '",
         "[--repeats 2]: brackets do not run as wr",
         "scripts/missing.py is not a file of the ",
+        "scripts/missing.sh is not a file of the ",
         "bpslaunch does not accept --np 4 python ",
         "BPS_GOSSIP_HOST_REDUCE=sometimes: BPS_GO",
         "BPS_GOSSIP_NO_SUCH is read by nothing in",
