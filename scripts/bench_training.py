@@ -181,7 +181,7 @@ class TrainingWorker:
         self.steps_done = 0
         self.run_steps(message["warmup"])
         return {"parameters": sum(int(p.data().size) for p in net.collect_params().values()),
-                "threads": self.clock.names()}
+                "thread_names": self.clock.names()}
 
     def run_steps(self, steps: int) -> float:
         """``steps`` training steps; returns the last loss (mean over the batch)."""
@@ -358,7 +358,7 @@ def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Name
                 group.close()  # its ranks may disagree about what failed: stop them now
                 continue
             results[group.system.name] = {"parameters": replies[0]["parameters"], "pass_seconds": [],
-                                          "threads": replies[0]["threads"]}
+                                          "thread_names": replies[0]["thread_names"]}
             live.append(group)
         for index in range(args.passes):
             for group in live if index % 2 == 0 else live[::-1]:
