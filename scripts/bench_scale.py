@@ -43,7 +43,6 @@ core's: where cores are to spare, different workers' copies overlap and the rati
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import tempfile
@@ -321,15 +320,16 @@ def start_clusters(job: Job, workers: int, combos: Sequence[tuple[int, str]]) ->
     return groups
 
 
-@dataclasses.dataclass
 class Tally:
-    """What the passes of one cluster measured."""
+    """What the passes of one cluster measured. (A plain class: tests/doc_args_job.py loads this
+    script without registering it as a module, which dataclasses need.)"""
 
-    group: WorkerGroup
-    overheads: list[list[float]]  # by rank: step time - compute of every timed step, ms
-    comms: list[float] = dataclasses.field(default_factory=list)  # from the end of the sleep, ms
-    worker_cpu: float = 0.0  # seconds, every worker together
-    server_cpu: float = 0.0  # seconds, the servers and the scheduler
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+        self.overheads: list[list[float]] = [[] for _ in range(group.shape.workers)]  # by rank: step - compute, ms
+        self.comms: list[float] = []  # from the end of the sleep, ms
+        self.worker_cpu = 0.0  # seconds, every worker together
+        self.server_cpu = 0.0  # seconds, the servers and the scheduler
 
     def add_pass(self, replies: list[dict[str, Any]], compute_ms: float, cpu: tuple[float, float]) -> None:
         """One pass's replies (one per rank) and the CPU its processes took meanwhile."""
@@ -362,7 +362,7 @@ def run_clusters(groups: list[WorkerGroup], pushed: list[tuple[str, int, int]], 
     for group in groups:
         group.command({"cmd": "setup", "tensors": pushed, "warmup": args.warmup, "compute_ms": compute}, timeout)
     workers = groups[0].shape.workers
-    tallies = [Tally(group, [[] for _ in range(workers)]) for group in groups]
+    tallies = [Tally(group) for group in groups]
     bounds, bandwidths = [], []
     for index in range(args.passes):
         bandwidth = measure_bandwidth(workers, nbytes)
