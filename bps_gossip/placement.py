@@ -192,7 +192,7 @@ def _reserve(cores: int, cpus: int, workers: int, asked: int | None, omp: int | 
         if asked and cores - asked < workers:
             notes.append(f"{workers} workers share {cores - asked} compute core(s)")
         return asked
-    need = omp or MIN_COMPUTE_CORES
+    need = max(omp or 0, MIN_COMPUTE_CORES)  # and never pinned below 4 compute cores a worker
     if cores >= workers * (need + 1):
         notes.append(f"one core a worker reserved for communication ({COMM_CORES_VAR}=0 or "
                      "bpslaunch --comm-cores 0 turns this off)")

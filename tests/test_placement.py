@@ -101,6 +101,7 @@ def test_the_users_thread_counts_win():
     assert "the user's OMP_NUM_THREADS=8 kept" in placed.describe(0)
     placed = plan(cores(16), 2, {"OMP_NUM_THREADS": "2"})  # cores to spare: reserved, the user's 2 threads each
     assert placed.pinned and placed.threads == 2 and "OMP_NUM_THREADS" not in placed.env
+    assert not plan(cores(2), 1, {"OMP_NUM_THREADS": "1"}).pinned, "small hosts are never pinned by default"
     placed = plan(cores(16), 2, {"MXNET_CPU_WORKER_NTHREADS": "2"})  # two operators at once: half the threads
     assert placed.env == {"OMP_NUM_THREADS": "3"}
     placed = plan(cores(16), 2, {"OMP_NUM_THREADS": "lots"})  # not ours to fix: kept, planned as if unset
