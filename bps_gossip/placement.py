@@ -1,21 +1,13 @@
-"""Where a job's threads run on a host where every core computes (DESIGN.md, "Placement").
+"""Where a job's threads run on a host where every core computes (DESIGN.md, "Placement";
+docs/performance.md, "Placement").
 
 A worker's OpenMP team waits at every parallel region for its slowest thread: a communication
-thread (the engine thread, ZeroMQ's I/O threads, a local server, the scheduler) that wakes on one
-of its cores stalls the whole team. So, as oneCCL (CCL_WORKER_AFFINITY) and Horovod
-(HOROVOD_THREAD_AFFINITY) do, bpslaunch reserves cores for communication and gives compute the
-rest, from what it knows: the cores it may use (its own affinity: taskset, a cgroup or the batch
-system narrow it) and the workers it starts on this host.
-
-- :func:`plan` is pure: (cores, workers, the user's settings, the options) -> :class:`Plan`.
-- The default (:data:`MIN_COMPUTE_CORES`): one core a worker for communication, only where each
-  worker still computes on at least that many cores besides; below that nothing is reserved or
-  pinned, and each worker gets OMP_NUM_THREADS = its share of the cores.
-- bpslaunch -np applies it: each process starts with its affinity (:func:`start_cpus`, read by the
-  supervisor), workers get OMP_NUM_THREADS / MXNET_CPU_WORKER_NTHREADS unless the user set them,
-  and :func:`place_worker` (called by ``bps.init()``) moves the worker's communication threads
-  to the reserved cores and logs the plan at INFO. Started another way, ``bps.init()`` plans for
-  itself from the address book's workers on this host.
+thread (the engine's, ZeroMQ's I/O threads, a local server, the scheduler) waking on one of its
+cores stalls the whole team. So, as oneCCL (CCL_WORKER_AFFINITY) and Horovod (HOROVOD_THREAD_AFFINITY)
+do, bpslaunch -np reserves cores for communication and gives compute the rest, from the cores it
+may use and the workers it starts: :func:`plan` (pure) decides; each process starts on its cores
+(:func:`start_on_cpus`, the supervisor's preexec); ``bps.init()`` moves the worker's communication
+threads and logs the plan (:func:`place_worker`), or, started another way, plans for itself.
 """
 
 from __future__ import annotations
@@ -46,12 +38,10 @@ class Options:
 def options(env: Mapping[str, str]) -> Options:
     """The placement options of ``env``; a bad value is a ConfigError naming the variable."""
     raw = (env.get(COMM_CORES_VAR) or "").strip()
-    comm: int | None = None
-    if raw and raw.lower() != "auto":
-        if not raw.isdigit():
-            raise ConfigError(f"{COMM_CORES_VAR}={raw!r} (bpslaunch --comm-cores) must be 'auto' or a whole "
-                              "number of cores >= 0 (0: reserve none)")
-        comm = int(raw)
+    if raw and raw.lower() != "auto" and not raw.isdecimal():
+        raise ConfigError(f"{COMM_CORES_VAR}={raw!r} (bpslaunch --comm-cores) must be 'auto' or a whole "
+                          "number of cores >= 0 (0: reserve none)")
+    comm = int(raw) if raw.isdecimal() else None
     flag = (env.get(AFFINITY_VAR) or "1").strip().lower()
     if flag not in _TRUE + _FALSE:
         raise ConfigError(f"{AFFINITY_VAR}={env.get(AFFINITY_VAR)!r} is not a boolean (use 1/0; "
@@ -161,7 +151,7 @@ def _user_threads(env: Mapping[str, str]) -> tuple[int | None, int, list[str]]:
     for name in THREAD_VARS:
         raw = (env.get(name) or "").strip()
         first = raw.split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels: 8,2
-        values.append(int(first) if first.isdigit() and int(first) > 0 else None)
+        values.append(int(first) if first.isdecimal() and int(first) > 0 else None)
         if raw:
             notes.append(f"the user's {name}={raw} kept" + ("" if values[-1] else " (not a positive number: "
                                                                                  "planned as if unset)"))
@@ -240,7 +230,7 @@ def cpu_quota() -> int | None:
 
 def host_cpus() -> tuple[tuple[int, ...], dict[int, object], int]:
     """The CPUs this process may use, each one's physical core (from sysfs; a CPU whose topology
-    cannot be read is a core of its own), and the CPUs online."""
+    cannot be read is a core of its own), and the CPUs of the machine (its container's cpuset)."""
     cpus = tuple(sorted(os.sched_getaffinity(0))) if AFFINITY_WORKS else tuple(range(os.cpu_count() or 1))
     siblings: dict[int, object] = {}
     for cpu in cpus:
@@ -250,7 +240,28 @@ def host_cpus() -> tuple[tuple[int, ...], dict[int, object], int]:
                 siblings[cpu] = (package.read().strip(), core.read().strip())
         except OSError:
             siblings[cpu] = cpu
-    return cpus, siblings, os.cpu_count() or len(cpus)
+    return cpus, siblings, _cpuset_size() or os.cpu_count() or len(cpus)
+
+
+def parse_cpus(text: str) -> list[int]:
+    """The CPUs of a list such as ``0-3,8`` (the inverse of :func:`format_cpus`)."""
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _cpuset_size() -> int | None:
+    """How many CPUs this container's cgroup cpuset holds (a narrower affinity is the user's or the
+    batch system's, not the container's), or None where it cannot be read."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus", "/sys/fs/cgroup/cpuset/cpuset.cpus"):
+        try:
+            with open(path) as file:
+                return len(parse_cpus(file.read())) or None
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def plan_here(workers: int, env: Mapping[str, str], opts: Options) -> Plan:
