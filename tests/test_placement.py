@@ -16,7 +16,7 @@ from cluster import FAST_ENV, assert_all_ok
 from bps_gossip import placement
 from bps_gossip.config import load_config
 from bps_gossip.errors import ConfigError
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.supervisor import kill_groups
 from bps_gossip.placement import Options, format_cpus, plan
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
@@ -205,15 +205,18 @@ bps.shutdown()
 """
 
 
-def launch(tmp_path, args: list[str], env: dict[str, str] | None = None, timeout: float = 60):
-    """Run bpslaunch with ``args`` and PROBE; return (exit code, {local rank: probe}, stderr)."""
+def launch(tmp_path, args: list[str], env: dict[str, str] | None = None, timeout: float = 60,
+           taskset: int | None = None):
+    """Run bpslaunch with ``args`` and PROBE (on CPU ``taskset`` only, as the user's affinity);
+    return (exit code, {local rank: probe}, its output)."""
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(PROBE))
     full_env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL", "OMP_",
                                                                             "MXNET_CPU", "BPS_GOSSIP_"))},
                 **FAST_ENV, "BYTEPS_LOG_LEVEL": "INFO", **(env or {})}
-    proc = start_in_session(LAUNCH + args + [sys.executable, str(script)], full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(LAUNCH + args + [sys.executable, str(script)], env=full_env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=None if taskset is None else lambda: os.sched_setaffinity(0, {taskset}))
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -252,6 +255,19 @@ def test_bpslaunch_keeps_the_users_threads_and_says_so(tmp_path):
         assert probes[rank]["omp"] == "3" and probes[rank]["mxnet"] == "1"
         assert probes[rank]["main"] == sorted(expected.compute[rank] or CPUS)
     assert output.count("the user's OMP_NUM_THREADS=3 kept") == 2, output
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs a CPU to leave out")
+def test_bpslaunch_keeps_the_users_affinity_and_says_so(tmp_path):
+    """taskset -c C bpslaunch ...: every process stays on C."""
+    code, probes, output = launch(tmp_path, ["-np", "2"], taskset=CPUS[-1])
+    assert code == 0, output
+    for rank in (0, 1):
+        assert probes[rank]["main"] == probes[rank]["engine"] == [CPUS[-1]], output
+        assert probes[rank]["services"] == {"scheduler": [CPUS[-1]], "server": [CPUS[-1]]}
+    assert output.count(f"within the 1 of {placement.host_cpus()[2]} CPUs this job may use (cpus {CPUS[-1]}: "
+                        "the user's or batch system's affinity, kept)") == 2, output
 
 
 @pytest.mark.timeout(90)
