@@ -13,6 +13,10 @@ alternations, ratios to the first row:
 - ``pair``: the same with two workers (bpslaunch -np 2): the default against every CPU computing,
   nothing reserved (OMP_NUM_THREADS = CPUs / 2). On 2 cores both are 1 thread each, unpinned.
 
+Where the default reserves cores (5 or more a worker), ``alone`` and ``pair`` also run the reserved
+layout with one OpenMP thread fewer than the share has cores (room for the Python thread that
+issues MXNet's operators).
+
     python scripts/bench_placement.py [--only teams,alone,pair] [--alternations 3] [--steps 60]
 """
 
@@ -27,6 +31,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bps_gossip from this checkout
+
+from bps_gossip import placement  # noqa: E402
+
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 CPUS = len(os.sched_getaffinity(0))
 
@@ -78,6 +86,10 @@ def rows(experiment: str) -> list[tuple[str, list[str], dict[str, str]]]:
              {**force, "OMP_NUM_THREADS": str(max(1, CPUS // workers)), "BPS_GOSSIP_COMM_CORES": "0"})]
     if workers == 1 and CPUS >= 2:
         made.append(("--comm-cores 1", [*launch, "--comm-cores", "1"], force))
+    default = placement.plan_here(workers, {}, placement.Options())
+    if default.pinned and default.threads > 1:  # the Python thread that issues MXNet's operators needs a core too?
+        made.append((f"reserved, one thread fewer ({default.threads - 1})", launch,
+                     {**force, "OMP_NUM_THREADS": str(default.threads - 1), "BPS_GOSSIP_COMM_CORES": str(workers)}))
     return made
 
 
