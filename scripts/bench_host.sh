@@ -153,6 +153,9 @@ main() {
         run mobilenet_2w1s_auto --model mobilenet0.25 --configs 2w1s --threads auto
     else
         run mobilenet_2w1s_auto --model mobilenet0.25 --configs 2w1s --threads auto
+        # placement: one thread fewer a worker, with and without its communication on a core of its own
+        run mobilenet_2w1s_placed --model mobilenet0.25 --configs 2w1s --threads "$(( $(nproc) / 2 - 1 ))" \
+            --systems "main,2 comm cores"
         run resnet18_2w1s_auto --model resnet18_v1 --configs 2w1s --threads auto
         run mobilenet_8w2s_1 --model mobilenet0.25 --configs 8w2s --threads 1
         run resnet18_8w2s_1 --model resnet18_v1 --configs 8w2s --threads 1

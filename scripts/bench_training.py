@@ -76,6 +76,7 @@ from bps_gossip.compat import zip_exact
 REFERENCE = "mxnet dist_sync"
 CEILING = "no communication"  # every worker trains alone, all at once: what communication can approach
 NO_OVERLAP = {"BPS_GOSSIP_OVERLAP_BACKWARD": "0"}  # push_pull waited for and copied by the caller
+TWO_COMM_CORES = {"BPS_GOSSIP_COMM_CORES": "2"}
 COPIED = {"BPS_GOSSIP_SHM_GRADIENTS": "0"}  # MXNet's own gradient arrays, copied to and from shared memory
 SYSTEMS = [
     System("ours allreduce", "bps", mode="allreduce"),
@@ -88,6 +89,10 @@ SYSTEMS = [
     System("ours module, copied gradients", "bps", env=COPIED, mode="module"),
     System("ours gossip", "bps", mode="gossip"),
     System("ours gossip, overlap", "bps", mode="gossip-overlap"),
+    # Placement (bps_gossip/placement.py) forced where the workers start themselves: each worker's
+    # communication threads on a core of its own, compute on the rest (2 workers: one core each).
+    System("ours allreduce, 2 comm cores", "bps", env=TWO_COMM_CORES, mode="allreduce"),
+    System("ours gossip, 2 comm cores", "bps", env=TWO_COMM_CORES, mode="gossip"),
     System(REFERENCE, "mxnet", mode="dist_sync"),
     System(CEILING, "local", mode="local"),
 ]
