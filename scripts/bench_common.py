@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+from bps_gossip import placement
 from bps_gossip.compat import zip_exact
 from bps_gossip.launch.local import free_port
 from bps_gossip.launch.supervisor import kill_groups, start_in_session
@@ -327,6 +328,11 @@ class WorkerGroup:
         else:
             raise BenchError(f"unknown system kind {system.kind!r}")
         tag = f"{shape.label}_{system.name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}"
+        # A system that names BPS_GOSSIP_COMM_CORES is placed as bpslaunch -np places a job: every
+        # process starts on its cores (before MXNet loads), the scheduler and servers on the reserved ones.
+        self.plan = None
+        if placement.COMM_CORES_VAR in system.env and network is None and system.kind == "bps":
+            self.plan = placement.plan_here(shape.workers, base_env(common), placement.options(common))
         self.support = []
         if role_argv:
             self.support.append(job.spawn(*self._placed("scheduler", role_argv["scheduler"], common),
@@ -358,6 +364,9 @@ class WorkerGroup:
         env = {**common, "DMLC_ROLE": role, "DMLC_NODE_HOST": self._address(host)}
         if role == "worker":
             env["DMLC_WORKER_ID"] = host[len("worker"):]
+        if self.plan is not None:
+            env.update(placement.worker_env(self.plan, int(env["DMLC_WORKER_ID"])) if role == "worker"
+                       else placement.service_env(self.plan))
         return (argv if self.network is None else self.network.exec_argv(host, argv)), base_env(env)
 
     def command(self, message: dict[str, Any], timeout: float) -> list[dict[str, Any]]:

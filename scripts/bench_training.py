@@ -89,8 +89,8 @@ SYSTEMS = [
     System("ours module, copied gradients", "bps", env=COPIED, mode="module"),
     System("ours gossip", "bps", mode="gossip"),
     System("ours gossip, overlap", "bps", mode="gossip-overlap"),
-    # Placement (bps_gossip/placement.py) forced where the workers start themselves: each worker's
-    # communication threads on a core of its own, compute on the rest (2 workers: one core each).
+    # Placement (bps_gossip/placement.py) as bpslaunch -np applies it, with 2 cores reserved: every
+    # process starts on its cores, a worker's communication threads and the servers on the reserved ones.
     System("ours allreduce, 2 comm cores", "bps", env=TWO_COMM_CORES, mode="allreduce"),
     System("ours gossip, 2 comm cores", "bps", env=TWO_COMM_CORES, mode="gossip"),
     System(REFERENCE, "mxnet", mode="dist_sync"),
