@@ -26,6 +26,7 @@ from cluster import FAST_ENV, Cluster, free_port, read_output
 
 from bps_gossip.config import OWNED_SECRET_VAR
 from bps_gossip.launch import cli, supervisor
+from bps_gossip.launch.local import LOWEST_PORT, ephemeral_ports
 from bps_gossip.launch.supervisor import kill_groups
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
@@ -396,3 +397,17 @@ def test_a_bad_variable_leaves_no_secret_file(job):
                                           env={"BPS_GOSSIP_TIMEOUT": "abc"}))
     assert code == 2 and "BPS_GOSSIP_TIMEOUT" in err, out + err
     assert set(Path(tempfile.gettempdir()).glob("bpsg_secret_*")) == before
+
+
+def test_free_port_is_never_one_the_kernel_hands_out_for_port_0():
+    """CI, Python 3.13: free_port() returned a port the kernel had handed out for a probe's port 0;
+    a server started beside the scheduler bound port 0 and got it first, then answered the workers'
+    registrations ('unknown op register') while the scheduler could not bind. Below the ephemeral
+    range no port-0 bind can take it."""
+    low, high = ephemeral_ports()
+    picks = {free_port() for _ in range(50)}
+    assert all(LOWEST_PORT <= port < low for port in picks), (sorted(picks), low, high)
+    assert len(picks) > 10  # spread over the range, not one port every time
+    for port in list(picks)[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free when picked

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 from collections.abc import Mapping
 
@@ -29,9 +30,39 @@ from .supervisor import Child, Supervisor
 _LOCAL_OVERRIDES = ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BPS_GOSSIP_PORT", OWNED_SECRET_VAR, placement.PLACED_VAR)
 
 
+LOWEST_PORT = 10000  # free_port() picks from here up to the kernel's ephemeral range
+_PICKS = 100
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for port 0 and outgoing connections (Linux; else IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(part) for part in file.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
-    with socket.socket() as sock:
+    """A TCP port on ``host`` that was free a moment ago, below the kernel's ephemeral range.
+
+    The scheduler binds this port a moment later, while the servers and workers started beside it
+    bind port 0: a port the kernel handed out for port 0 (as a plain probe's would be) can be handed
+    out again to one of them first, which then answers the workers' registrations in the
+    scheduler's place (seen in CI). Ports below the ephemeral range are never handed out so.
+    """
+    low, _ = ephemeral_ports()
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(_PICKS):
+            port = random.randrange(LOWEST_PORT, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:  # in use (or not allowed): another pick
+                    continue
+                return port
+    with socket.socket() as sock:  # no room below the range: the kernel's pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
