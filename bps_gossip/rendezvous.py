@@ -80,15 +80,20 @@ class BookWait:
             for sock, _ in also:
                 poller.register(sock, zmq.POLLIN)
             serve = dict(also)
+            every = min(cfg.heartbeat_interval, 0.5)
+            next_beat = time.monotonic() + every
             while True:
                 self._check(wait)
-                events = dict(poller.poll(int(min(cfg.heartbeat_interval, 0.5) * 1000)))
+                events = dict(poller.poll(int(every * 1000)))
                 for sock, handle in serve.items():
                     if sock in events:
                         handle()
                 if self.sock not in events:
-                    if wait.connected:  # before the connection, heartbeats would only pile up
+                    # Paced by the clock, not by the poll: another socket's traffic (a server's early
+                    # pushes) wakes the poll without limit. Before the connection, beats only pile up.
+                    if wait.connected and time.monotonic() >= next_beat:
                         send(self.sock, Heartbeat())
+                        next_beat = time.monotonic() + every
                     continue
                 wait.heard_from()
                 book = self._receive()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import zmq
@@ -70,6 +71,44 @@ def test_book_after_heartbeats():
     thread.join(10)
     assert admitted.book == BOOK and not admitted.waited
     assert received[0] == "register" and received.count("heartbeat") >= 2
+
+
+@pytest.mark.timeout(30)
+def test_heartbeats_are_paced_while_another_socket_is_busy():
+    """A server waits for its book while workers' early pushes keep its data socket readable: each
+    wake of the poll sent a heartbeat (seen in CI: 8,000 a second to a port that was not the
+    scheduler's). Three heartbeats must take at least two heartbeat intervals."""
+    config, thread, received = scripted([BOOK], heartbeats=3)
+    ctx = zmq.Context.instance()
+    busy_in, busy_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    busy_in.bind("inproc://busy-data-socket")
+    busy_out.connect("inproc://busy-data-socket")
+    stop = threading.Event()
+
+    def flood():  # never blocks (a full queue is dropped), so that it ends when told to
+        while not stop.is_set():
+            try:
+                busy_out.send(b"early push", zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.001)
+
+    feeder = threading.Thread(target=flood, daemon=True)
+    feeder.start()
+    sock = open_socket(ctx, SocketRole.TO_SCHEDULER, config, b"test-server")
+    try:
+        start = time.monotonic()
+        admitted = join(sock, register("server"), config, "server under test", LOG,
+                        also=[(busy_in, lambda: busy_in.recv(zmq.NOBLOCK))])
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        feeder.join(5)
+        sock.close(linger=0)
+        busy_out.close(linger=0)
+        busy_in.close(linger=0)
+    thread.join(10)
+    assert admitted.book == BOOK and received.count("heartbeat") == 3
+    assert took >= 2 * config.heartbeat_interval, f"3 heartbeats in {took * 1000:.1f} ms"
 
 
 @pytest.mark.timeout(30)
