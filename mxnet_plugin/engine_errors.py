@@ -58,11 +58,6 @@ def _load() -> _Symbols | None:
 _symbols = _load()
 
 
-def supported() -> bool:
-    """Whether operations can complete with an error in this MXNet build."""
-    return _symbols is not None
-
-
 @contextlib.contextmanager
 def engine_error(message: str) -> Iterator[int | None]:
     """A ``dmlc::Error`` holding ``message`` (its address), alive inside the block; None where

@@ -202,12 +202,6 @@ def wait_all() -> None:
         mx.nd.waitall()
 
 
-def take_pending_error() -> BaseException | None:
-    """The error of a push_pull that failed inside MXNet's engine, if any (once), not raised:
-    for a caller that caught the ``MXNetError`` it caused and wants its own type back."""
-    return _rounds.take_error()
-
-
 def poison(array: np.ndarray) -> None:
     """Fill a result that failed with NaN (floating point), so that nothing trained on it can
     pass for a model, also where MXNet's engine cannot carry the error (another build)."""

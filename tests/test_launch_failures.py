@@ -147,9 +147,7 @@ def test_a_leftover_dmlc_environment_says_whom_it_waits_for(tmp_path):
     with open(tmp_path / "err", "w+") as err:
         proc = start_in_session([sys.executable, str(script)], env, stdout=subprocess.DEVNULL, stderr=err)
         try:
-            start = time.monotonic()
             seen = wait_for_stderr(proc, err, "nothing answers there yet", within=15)  # was: 60 s of silence
-            took = time.monotonic() - start
         finally:
             kill_groups([proc])
     line = next(line for line in seen.splitlines() if "nothing answers there yet" in line)
@@ -157,7 +155,6 @@ def test_a_leftover_dmlc_environment_says_whom_it_waits_for(tmp_path):
         in line, line
     assert "WARNING" in line and "DMLC_NUM_WORKER=2" in line and "unset" in line.lower(), line
     assert seen.count("nothing answers there yet") == 1, seen  # once; progress lines say 'still no answer'
-    assert took < 10, took
 
 
 @pytest.mark.timeout(60)
