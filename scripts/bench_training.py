@@ -98,7 +98,8 @@ SYSTEMS = [
 ]
 SYNCHRONOUS = ("allreduce", "kvstore", "module", "dist_sync")  # modes whose ranks must end with identical parameters
 LAYERS = (1024, 2048, 2048, 10)
-MODELS = {"mlp": 64, "resnet18_v1": 16, "mobilenet0.25": 32}  # model -> default batch per worker
+MODELS = {"mlp": 64, "resnet18_v1": 16, "mobilenet0.25": 32, "mobilenetv2_0.25": 32}  # model -> default batch per worker
+ZOO = {"resnet18_v1": "resnet18_v1", "mobilenet0.25": "mobilenet0_25", "mobilenetv2_0.25": "mobilenet_v2_0_25"}
 
 
 # -- worker -------------------------------------------------------------------------------
@@ -293,8 +294,7 @@ def build_model(mx: Any, model: str) -> tuple[Any, tuple[int, ...]]:
                 net.add(gluon.nn.Dense(fan_out, activation="relu", in_units=fan_in))
             net.add(gluon.nn.Dense(LAYERS[-1], in_units=LAYERS[-2]))
         return net, (LAYERS[0],)
-    vision = gluon.model_zoo.vision
-    net = vision.resnet18_v1(classes=10) if model == "resnet18_v1" else vision.mobilenet0_25(classes=10)
+    net = getattr(gluon.model_zoo.vision, ZOO[model])(classes=10)
     return net, (3, 32, 32)
 
 
@@ -476,7 +476,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp",
                         help="mlp (1024-2048-2048-10), or a Gluon model-zoo CNN at 32x32 inputs")
     parser.add_argument("--batch", type=int, help="samples per worker and step (default: mlp 64, "
-                        "resnet18_v1 16, mobilenet0.25 32)")
+                        "resnet18_v1 16, mobilenet0.25 and mobilenetv2_0.25 32)")
     parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of every worker: a count, 'auto' "
                         "(the cores this process may use / workers: every core computes), or several, "
                         "comma-separated, each a run of every configuration (default 1: 2 workers fill 2 cores)")
