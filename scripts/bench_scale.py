@@ -68,8 +68,7 @@ from bench_common import (
 )
 
 from bps_gossip.config import load_config
-from bps_gossip.protocol.data import partitions
-from bps_gossip.worker.tensors import key_of
+from bps_gossip.worker.server_choice import assign, plan_of, plan_servers
 
 # Gradient sizes (float32 elements) of every trained parameter, in the model's order, of the
 # Gluon model zoo's models with classes=10 at 32x32 (as scripts/bench_training.py builds them):
@@ -111,6 +110,7 @@ MEASURE_BYTES = 1 << 30  # at most this much memory for the bandwidth measuremen
 BLOCK = 32768  # elements per block of the blocked sum (128 KiB of float32: stays in cache)
 CHUNK = 1 << 18  # elements of every buffer summed per timed piece of the bandwidth measurement (1 MiB)
 HOST_REDUCE = ("off", "on")
+PLACEMENTS = ("plan", "hash")  # bps_gossip.worker.server_choice: plan_servers(), or the name's hash alone
 
 
 # -- what is pushed, and the bound ----------------------------------------------------------
@@ -147,15 +147,18 @@ def memory_bound(workers: int, nbytes: int, copy_s_per_byte: float, sum_s_per_by
     return 2 * workers * nbytes * copy_s_per_byte + workers * nbytes * sum_s_per_byte
 
 
-def server_loads(pushed: Sequence[tuple[str, int, int]], servers: int, partition_bytes: int) -> list[int]:
-    """Bytes of a step each server sums: a tensor's partitions go to servers (key + index) mod
-    servers, its key a hash of its name (bps_gossip.worker.server_links), so few, unequal
-    partitions can load one server with far more than its share."""
+def server_loads(pushed: Sequence[tuple[str, int, int]], servers: int, partition_bytes: int,
+                 placement: str = "plan") -> list[int]:
+    """Bytes of a step each server sums, placed as the workers place them
+    (bps_gossip.worker.server_choice): planned (balanced), or (key + partition) mod servers with
+    the key a hash of the name, which loads one server with far more than its share when
+    partitions are few and unequal."""
+    plan = plan_of([(name, count, 4) for name, count, _ in pushed], partition_bytes)
+    table = assign([plan], servers) if placement == "plan" else {}
     loads = [0] * servers
-    for name, count, _ in pushed:
-        key = key_of(name)
-        for index, (_, part) in enumerate(partitions(count, 4, partition_bytes)):
-            loads[(key + index) % servers] += 4 * part
+    for key, sizes in plan:
+        for index, size in enumerate(sizes):
+            loads[table[key][index] if key in table else (key + index) % servers] += size
     return loads
 
 
@@ -221,6 +224,8 @@ class ScaleWorker:
     def setup(self, message: dict[str, Any]) -> dict[str, Any]:
         """Allocate the gradients (each rank's filled with rank + 1) and outputs, then warm up."""
         pushed = message["tensors"]
+        if message["placement"] == "plan":  # every rank plans the same tensors before pushing them
+            plan_servers([(name, count, 4) for name, count, _ in pushed], message["partition_bytes"])
         total = sum(count for _, count, _ in pushed)
         grads = np.full(total, self.rank + 1, np.float32)
         outs = np.zeros(total, np.float32)
@@ -308,12 +313,13 @@ def group_cpu(group: WorkerGroup) -> tuple[float, float]:
     return (sum(cpu_seconds(p.pid) for p in group.workers), sum(cpu_seconds(p.pid) for p in group.support))
 
 
-def start_clusters(job: Job, workers: int, combos: Sequence[tuple[int, str]]) -> list[WorkerGroup]:
-    """One cluster per (servers, host reduce), all starting at once; wait until all are up."""
+def start_clusters(job: Job, workers: int, combos: Sequence[tuple[int, str, str]]) -> list[WorkerGroup]:
+    """One cluster per (servers, host reduce, placement), all starting at once; wait until all are up."""
     argv = [sys.executable, str(Path(__file__).resolve())]
     groups = []
-    for servers, reduce in combos:
-        system = System(f"hr_{reduce}", "bps", {"BPS_GOSSIP_HOST_REDUCE": reduce, "BPS_GOSSIP_TIMEOUT": "300"})
+    for servers, reduce, placement in combos:
+        system = System(f"hr_{reduce}_{placement}", "bps", {"BPS_GOSSIP_HOST_REDUCE": reduce, "BPS_GOSSIP_TIMEOUT": "300"},
+                        mode=placement)
         groups.append(WorkerGroup(job, system, ClusterShape(workers, servers), argv))
     for group in groups:
         group.command({"cmd": "hello"}, STARTUP_TIMEOUT)
@@ -344,8 +350,9 @@ class Tally:
         shape, steps = self.group.shape, args.passes * args.steps
         overhead = max(median(per_rank) for per_rank in self.overheads)  # the slowest rank's
         bound_ms = median(bounds) * 1e3
-        loads = server_loads(pushed, shape.servers, args.partition_bytes)
-        return {"workers": shape.workers, "servers": shape.servers,
+        placement = self.group.system.mode
+        loads = server_loads(pushed, shape.servers, args.partition_bytes, placement)
+        return {"workers": shape.workers, "servers": shape.servers, "placement": placement,
                 "host_reduce": self.group.system.env["BPS_GOSSIP_HOST_REDUCE"], "overhead_ms": overhead,
                 "comm_ms": median(self.comms), "bound_ms": bound_ms, "ratio": overhead / bound_ms,
                 "bound_ms_per_pass": [b * 1e3 for b in bounds], "worker_cpu_ms": self.worker_cpu * 1e3 / steps,
@@ -360,7 +367,8 @@ def run_clusters(groups: list[WorkerGroup], pushed: list[tuple[str, int, int]], 
     compute = args.compute_ms
     timeout = 120.0 + (args.steps + args.warmup) * (compute / 1e3 + 10.0)
     for group in groups:
-        group.command({"cmd": "setup", "tensors": pushed, "warmup": args.warmup, "compute_ms": compute}, timeout)
+        group.command({"cmd": "setup", "tensors": pushed, "warmup": args.warmup, "compute_ms": compute,
+                       "placement": group.system.mode, "partition_bytes": args.partition_bytes}, timeout)
     workers = groups[0].shape.workers
     tallies = [Tally(group) for group in groups]
     bounds, bandwidths = [], []
@@ -384,7 +392,8 @@ def bench_workers(job: Job, workers: int, pushed: list[tuple[str, int, int]],
                   args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (servers, host reduce) configuration at ``workers`` workers."""
     nbytes = 4 * sum(count for _, count, _ in pushed)
-    combos = [(servers, reduce) for servers in args.servers for reduce in args.host_reduce]
+    combos = [(servers, reduce, placement) for servers in args.servers for reduce in args.host_reduce
+              for placement in args.placement]
     at_once = clusters_at_once(workers, nbytes, len(combos))
     records = []
     for start in range(0, len(combos), at_once):
@@ -399,18 +408,18 @@ def bench_workers(job: Job, workers: int, pushed: list[tuple[str, int, int]],
 
 
 def add_vs_one_server(records: list[dict[str, Any]]) -> None:
-    """Each record's overhead over that of the fewest servers with the same host reduce."""
+    """Each record's overhead over that of the fewest servers with the same host reduce and placement."""
     for record in records:
-        same = [r for r in records if r["host_reduce"] == record["host_reduce"]]
+        same = [r for r in records if (r["host_reduce"], r["placement"]) == (record["host_reduce"], record["placement"])]
         fewest = min(same, key=lambda r: r["servers"])
         record["vs_fewest_servers"] = record["overhead_ms"] / fewest["overhead_ms"]
 
 
 def format_rows(records: list[dict[str, Any]]) -> str:
     """The results table."""
-    headers = ["workers", "servers", "host reduce", "overhead ms/step", "bound ms/step", "ratio",
+    headers = ["workers", "servers", "host reduce", "placement", "overhead ms/step", "bound ms/step", "ratio",
                "vs fewest servers", "busiest server", "CPU ms/step: workers", "servers"]
-    rows = [[str(r["workers"]), str(r["servers"]), r["host_reduce"], f"{r['overhead_ms']:.1f}",
+    rows = [[str(r["workers"]), str(r["servers"]), r["host_reduce"], r["placement"], f"{r['overhead_ms']:.1f}",
              f"{r['bound_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['vs_fewest_servers']:.2f}",
              f"{r['busiest_server_share']:.0%}", f"{r['worker_cpu_ms']:.0f}", f"{r['server_cpu_ms']:.0f}"]
             for r in records]
@@ -434,6 +443,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="comma-separated worker counts (default 2,4,8,16,32)")
     parser.add_argument("--servers", type=int_list, default=[1, 2, 4], help="comma-separated server counts (default 1,2,4)")
     parser.add_argument("--host-reduce", default="off,on", help="BPS_GOSSIP_HOST_REDUCE values (default off,on)")
+    parser.add_argument("--placement", default="plan", help="partitions' servers: plan (balanced by "
+                        "bps_gossip.worker.server_choice.plan_servers), hash, or both: plan,hash (default plan)")
     parser.add_argument("--compute-ms", type=float, default=100.0, help="emulated compute per step (default 100)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per pass (default 10)")
     parser.add_argument("--passes", type=int, default=3, help="timed passes per configuration (default 3)")
@@ -448,8 +459,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # BYTEPS_PARTITION_BYTES of this environment reaches every process of the run.
     args.partition_bytes = load_config({**os.environ, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_PORT": "1"}).partition_bytes
     args.host_reduce = [v.strip() for v in args.host_reduce.split(",") if v.strip()]
-    if not set(args.host_reduce) <= set(HOST_REDUCE) or not args.host_reduce:
-        parser.error(f"--host-reduce takes {' and '.join(HOST_REDUCE)}, comma-separated")
+    args.placement = [v.strip() for v in args.placement.split(",") if v.strip()]
+    for option, values, known in (("--host-reduce", args.host_reduce, HOST_REDUCE), ("--placement", args.placement, PLACEMENTS)):
+        if not set(values) <= set(known) or not values:
+            parser.error(f"{option} takes {' and '.join(known)}, comma-separated")
     if not args.workers or min(args.workers) < 2 or not args.servers or min(args.servers) < 1:
         parser.error("--workers needs counts of at least 2, --servers of at least 1")
     if args.steps < 1 or args.passes < 1 or args.warmup < 0 or args.compute_ms < 0:

@@ -1,6 +1,6 @@
 """scripts/bench_scale.py (issue 34, item 3): its presets are the Gluon models' real gradients,
 what it pushes is what mxnet_plugin's fusion would push, the bound is the formula its docstring
-and docs/performance.md state, and one tiny run goes end to end (2 workers, 1 server, 1 step)."""
+and docs/performance.md state, and one tiny run goes end to end (2 workers, 2 servers, planned placement, 1 step)."""
 
 from __future__ import annotations
 
@@ -82,14 +82,18 @@ def test_server_loads_follow_the_workers_placement():
     name, count, _ = pushed[0]
     parts = partitions(count, 4, 4096000)
     assert len(parts) == 3  # a 9.4 MB gradient: three partitions, on three consecutive servers
-    loads = bench_scale.server_loads([(name, count, 0)], 3, 4096000)
-    assert sorted(loads) == sorted(4 * part for _, part in parts)
+    for placement in ("plan", "hash"):
+        loads = bench_scale.server_loads([(name, count, 0)], 3, 4096000, placement)
+        assert sorted(loads) == sorted(4 * part for _, part in parts)
+    hashed, planned = (bench_scale.server_loads(pushed, 4, 4096000, p) for p in ("hash", "plan"))
+    assert max(hashed) / total > 0.5 and max(planned) / total < 0.26  # the names' hash, and the plan
 
 
 @pytest.mark.parametrize("argv,error", [
     (["--host-reduce", "auto"], "--host-reduce takes off and on"),
     (["--workers", "1,2"], "--workers needs counts of at least 2"),
     (["--steps", "0"], "--steps and --passes must be at least 1"),
+    (["--placement", "random"], "--placement takes plan and hash"),
 ])
 def test_bad_options_are_refused(argv, error, capsys):
     with pytest.raises(SystemExit):
@@ -101,7 +105,7 @@ def test_bad_options_are_refused(argv, error, capsys):
 def test_a_tiny_run_prints_its_table_and_json(tmp_path):
     out = tmp_path / "scale.json"
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--preset", "4mib8",
-                             "--workers", "2", "--servers", "1", "--host-reduce", "off", "--steps", "1",
+                             "--workers", "2", "--servers", "2", "--host-reduce", "off", "--steps", "1",
                              "--passes", "1", "--warmup", "0", "--compute-ms", "1", "--json", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -117,5 +121,6 @@ def test_a_tiny_run_prints_its_table_and_json(tmp_path):
     assert proc.returncode == 0, output
     assert "overhead ms/step" in output and "bound ms/step" in output
     (record,) = json.loads(out.read_text())["results"]
-    assert (record["workers"], record["servers"], record["host_reduce"]) == (2, 1, "off")
-    assert record["overhead_ms"] > 0 and record["bound_ms"] > 0 and record["busiest_server_share"] == 1.0
+    assert (record["workers"], record["servers"], record["host_reduce"], record["placement"]) == (2, 2, "off", "plan")
+    # 8 tensors of 512 KiB planned over 2 servers: 4 each (the names' hash put 5 on one)
+    assert record["overhead_ms"] > 0 and record["bound_ms"] > 0 and record["busiest_server_share"] == 0.5

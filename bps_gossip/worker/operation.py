@@ -9,6 +9,7 @@ import numpy as np
 
 from ..futures import Future
 from ..transport.shm import OwnedSegment
+from .server_choice import server_of
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,5 +46,5 @@ class Operation:
         return self.segment.view(self.send.dtype, count, self.segment_base + offset * itemsize)
 
     def servers(self, nservers: int) -> set[int]:
-        """The servers this operation's partitions go to ((key + partition) mod servers)."""
-        return {(self.key + index) % nservers for index in range(len(self.parts))}
+        """The servers this operation's partitions go to (worker.server_choice)."""
+        return {server_of(self.key, index, nservers) for index in range(len(self.parts))}

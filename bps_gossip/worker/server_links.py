@@ -1,7 +1,7 @@
 """The worker's links to the servers: one DEALER per server, credit, dispatch, replies and
 deadlines. Runs on the engine thread (``stage`` excepted: the caller's thread).
 
-Tensors are split into partitions spread over the servers ((key + partition) mod servers)
+Tensors are split into partitions spread over the servers (worker.server_choice)
 and sent in priority order (BytePS: larger priority first) with at most
 BYTEPS_SCHEDULING_CREDIT large partitions not yet acknowledged; each partition's sum is
 copied into the output as it arrives, and the operation's future completes when the last
@@ -36,6 +36,7 @@ from ..transport.sockets import SocketRole, open_socket
 from .host_link import HostLink, Way
 from .operation import Operation
 from .scheduler_link import Book
+from .server_choice import server_of
 from .trace import Tracer, now_us
 
 LEADER = -1  # the target of a local's pushes: its host leader, not a server
@@ -211,7 +212,7 @@ class ServerLinks:
         """A host round failed on a mismatch: push, for this host, an empty partition that no
         rank's can match, so the server fails the round for every host at once."""
         _, key, part, seq = rid
-        server = (key + part) % len(self.sockets)
+        server = server_of(key, part, len(self.sockets))
         if server in self._lost:
             return
         header = Push.header(req=next(self._req_ids), key=key, name=name, part=part, seq=seq, count=0,
@@ -221,7 +222,7 @@ class ServerLinks:
         send_message(self.sockets[server], header, (b"",))
 
     def _push(self, op: Operation, index: int, way: Way) -> None:
-        server = (op.key + index) % len(self.sockets)
+        server = server_of(op.key, index, len(self.sockets))
         target = LEADER if way is Way.TO_LEADER else server
         if target in self._lost:
             self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {self._lost[server]}"))
