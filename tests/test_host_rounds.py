@@ -18,6 +18,7 @@ from bps_gossip.errors import ProtocolError, TensorMismatchError
 from bps_gossip.protocol import MESSAGES, Push
 from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.shm import OwnedSegment, owner_pid
+from bps_gossip.worker import host_reduce
 from bps_gossip.worker.host_reduce import MAX_HOST_ROUNDS, HostRounds, host_route
 from bps_gossip.worker.operation import Operation
 
@@ -177,3 +178,21 @@ def test_open_rounds_are_bounded(host):
     local_push(host, 1, seg, seq=MAX_HOST_ROUNDS)
     (error,) = [m for m in replies(host.locals[1]) if type(m).__name__ == "Error"]
     assert "rounds open" in error.why
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "float16"])
+@pytest.mark.parametrize("nbytes", [0, 8, host_reduce.IN_CACHE, host_reduce.IN_CACHE + 8, 5 * host_reduce.BLOCK_BYTES + 24])
+def test_the_blocked_sum_and_copy_match_adding_each_local_in_turn(dtype, nbytes):
+    """The leader adds its locals block by block (each read once): the same bits, in the same order."""
+    rng = np.random.default_rng(nbytes)
+    count = nbytes // np.dtype(dtype).itemsize
+    mine = (rng.standard_normal(count) * 100).astype(dtype)
+    regions = [(rng.standard_normal(count) * 100).astype(dtype) for _ in range(3)]
+    want = mine.copy()
+    for region in regions:
+        np.add(want, region, out=want)
+    host_reduce.add_into(mine, regions)
+    assert np.array_equal(mine, want)
+    outs = [np.zeros(count, dtype) for _ in range(3)]
+    host_reduce.copy_to(mine, outs)
+    assert all(np.array_equal(out, want) for out in outs)
