@@ -131,10 +131,20 @@ class GossipAverager:
         return self.debiased()
 
     def apply_update(self, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> None:
-        """The local optimizer moved z from ``before`` to ``after``: move x by the same amount
-        (SGP: x <- x - lr * grad(z); the numerator takes the unscaled step)."""
+        """The local optimizer moved z from ``before`` to ``after``: move x so that z = x / w moves
+        by that step (x <- x + w * step, as SGP's reference code re-biases after the step), and
+        the average over ranks by the mean of the ranks' steps weighted by w, never more than
+        the largest. Unscaled, z would move by step / w: a rank whose in-peers' messages are
+        deferred (routing around slow ranks) holds a small w until they arrive (w fell to 1/64
+        at 16 workers on this 2-core machine, and those ranks diverged). With ``overlap`` every
+        update finds the open round's share in flight (w about the kept share on every rank):
+        the step stays unscaled there, so that the average moves by the mean step."""
+        scale = 1.0 if self.overlap or self.weight == 1.0 else self.weight
         for key, value in self.x.items():
-            value += np.asarray(after[key]).reshape(-1) - np.asarray(before[key]).reshape(-1)
+            step = np.asarray(after[key]).reshape(-1) - np.asarray(before[key]).reshape(-1)
+            if scale != 1.0:
+                step = step * value.dtype.type(scale)
+            value += step
 
     # -- gossip -------------------------------------------------------------------
     def step(self) -> None:
@@ -165,7 +175,7 @@ class GossipAverager:
             self._route(tracer)
             sends, waits, deferred = self.routing.split(self.graph.out_peers(self.rank, self.rnd),
                                                         self.graph.in_peers(self.rank, self.rnd), self.rnd)
-            peers = {"out_peers": sends, "sources": waits}
+            peers = {"out_peers": sends, "sources": waits, "heavy": self.routing.heavy(sends)}
         # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
         # over x; an open round must take it now, before x changes.
         with self._span(tracer, "SEND"):

@@ -94,17 +94,22 @@ class PushSum:
         self.track_weight = track_weight
 
     def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float, defer_scaling: bool = False,
-              out_peers: Sequence[int] | None = None, sources: Sequence[int] | None = None
-              ) -> tuple[PendingRound, float]:
+              out_peers: Sequence[int] | None = None, sources: Sequence[int] | None = None,
+              heavy: Mapping[int, float] | None = None) -> tuple[PendingRound, float]:
         """Send this round's shares and keep ours: scales ``x`` in place (or, with
         ``defer_scaling``, leaves that to :meth:`absorb`, which must come before x changes);
         returns the kept weight. ``out_peers`` and ``sources`` (the in-peers to wait for)
-        default to the graph's for the round."""
+        default to the graph's for the round; ``heavy`` (out-peer -> factor) multiplies those
+        out-peers' shares before the weights are normalized again (still column-stochastic)."""
         rank = self.link.rank
         out_peers = self.graph.out_peers(rank, rnd) if out_peers is None else list(out_peers)
         sources = self.graph.in_peers(rank, rnd) if sources is None else list(sources)
         future = self.link.expect(self.tag, rnd, sources) if sources else None
         kept, shares = self.mixing.weights(rank, out_peers)
+        if heavy:
+            shares = {peer: share * heavy.get(peer, 1.0) for peer, share in shares.items()}
+            total = kept + sum(shares.values())
+            kept, shares = kept / total, {peer: share / total for peer, share in shares.items()}
         keys = list(x)
         cache: dict[float, list[np.ndarray]] = {}
         for peer, share in shares.items():
