@@ -17,6 +17,7 @@ from .base import (
     Message,
     Op,
     custom,
+    flag,
     integer,
     integers,
     message,
@@ -114,19 +115,20 @@ class Push(Message):
     dtype: str = text(16)  # the tensor's own dtype, shape and operation: every rank must agree
     shape: list[int] = integers(32)
     kind: str = text(1024)
-    ack: bool = custom(lambda m, k: fields.flag(m, k, True), True)
+    ack: bool = flag(True)
     codec: dict[str, Any] | None = custom(_codec_spec, None)  # compressed: the codec's parameters
     shm: str | None = optional_text(256)  # the worker's segment holding the payload
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
-    hosted: bool = custom(lambda m, k: fields.flag(m, k, False), False)  # a host leader's sum (bps_gossip.host_groups)
+    hosted: bool = flag(False)  # a host leader's sum (bps_gossip.host_groups)
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
-        object.__setattr__(self, "wire", dtype.str)  # one spelling per dtype: rounds compare it
-        self._check(self.shm is None or self.offset is not None, "a shared-memory push needs an offset")
-        self._check(self.codec is None or (self.shm is None and dtype == np.uint8),
-                    "compressed pushes come as uint8 frames")
-        self._check(not (self.hosted and self.codec is not None), "a host's sum is never compressed")
+        self.__dict__["wire"] = dtype.str  # one spelling per dtype: rounds compare it
+        if self.shm is not None and self.offset is None:  # (tests first: every push comes here)
+            self._check(False, "a shared-memory push needs an offset")
+        if self.codec is not None:
+            self._check(self.shm is None and dtype == np.uint8, "compressed pushes come as uint8 frames")
+            self._check(not self.hosted, "a host's sum is never compressed")
 
     @staticmethod
     def header(**values: Any) -> dict[str, Any]:

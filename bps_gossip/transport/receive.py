@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, List
 
 import zmq
+from zmq.backend import Socket as _Backend
 
 from ..errors import ProtocolError
 from .framing import recv_message
@@ -26,6 +27,7 @@ from .framing import recv_message
 Handler = Callable[[Any, Dict[str, Any], List[zmq.Frame]], None]  # (routing id or None, header, payload frames)
 MALFORMED = (ProtocolError, KeyError, TypeError, ValueError)
 _EVENTS, _POLLIN, _CURVE_SERVER = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.CURVE_SERVER)  # plain ints: pyzmq's enum arithmetic costs ~2 us a message
+_get = _Backend.get  # pyzmq's compiled getsockopt, without the Python layer's enum conversions
 
 
 class DropLog:
@@ -53,9 +55,9 @@ class DropLog:
 def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops: DropLog, limit: int) -> None:
     """Handle up to ``limit`` waiting messages of ``sock`` by their ``op``; on a CURVE ROUTER, only
     those whose routing id is their connection's key's."""
-    identified = routed and bool(sock.getsockopt(_CURVE_SERVER))
+    identified = routed and bool(_get(sock, _CURVE_SERVER))
     for _ in range(limit):
-        if not sock.getsockopt(_EVENTS) & _POLLIN:
+        if not _get(sock, _EVENTS) & _POLLIN:
             return
         try:
             route, msg, frames = recv_message(sock, routed, identified)

@@ -98,7 +98,12 @@ def routing_id(role: str, keys: JobKeys | None) -> bytes:
 def route_matches_key(route: bytes, public: str) -> bool:
     """Whether a routing id (up to its first '/') ends with ``-`` and the tag of ``public``, the
     key its connection authenticated with."""
-    return route.split(b"/", 1)[0].endswith(b"-" + key_tag(public).encode())
+    return route.split(b"/", 1)[0].endswith(_route_suffix(public))
+
+
+@functools.lru_cache(maxsize=4096)  # checked on every message a ROUTER reads; bounded: keys come from peers
+def _route_suffix(public: str) -> bytes:
+    return b"-" + key_tag(public).encode()
 
 
 class _AnyKeyThatKnowsTheServer:
