@@ -154,7 +154,7 @@ def server_loads(pushed: Sequence[tuple[str, int, int]], servers: int, partition
     the key a hash of the name, which loads one server with far more than its share when
     partitions are few and unequal."""
     plan = plan_of([(name, count, 4) for name, count, _ in pushed], partition_bytes)
-    table = assign([plan], servers) if placement == "plan" else {}
+    table = assign(plan, servers) if placement == "plan" else {}
     loads = [0] * servers
     for key, sizes in plan:
         for index, size in enumerate(sizes):

@@ -9,10 +9,13 @@ better, since tensors of one size differ only by their hashed names.
 :func:`plan_servers` balances a set of tensors known on every rank (a model's gradients, as a
 trainer fuses them): every partition of the set, largest first (ties by key and partition), goes
 to the server with the fewest bytes so far. The set is sorted before it is assigned, so the
-order in which ranks list it does not matter; the assignment is worked out again, the same way,
-for any number of servers (a server lost in an elastic job). Every rank must plan the same
-tensors before it pushes any of them: a rank that did not would send them elsewhere, and the
-round would wait for it. Planning a tensor this process already pushed raises instead.
+order in which ranks list it does not matter, and each plan is assigned on its own (a rank's
+earlier plans do not shift it: a worker that joins later and makes only this one agrees); a
+tensor named by several plans keeps the first one's servers. The assignment is worked out
+again, the same way, for any number of servers (a server lost in an elastic job). Every rank
+must plan the same tensors before it pushes any of them: a rank that did not would send them
+elsewhere, and the round would wait for it. Planning a tensor this process already pushed
+raises instead.
 """
 
 from __future__ import annotations
@@ -49,27 +52,29 @@ def _table(nservers: int) -> dict[int, tuple[int, ...]]:
     with _lock:
         table = _by_servers.get(nservers)
         if table is None:
-            table = _by_servers[nservers] = assign(_plans, nservers)
+            table = {}
+            for plan in reversed(_plans):  # a tensor in several plans: the first one's servers
+                table.update(assign(plan, nservers))
+            _by_servers[nservers] = table
         return table
 
 
-def assign(plans: Iterable[Iterable[tuple[int, tuple[int, ...]]]], nservers: int) -> dict[int, tuple[int, ...]]:
-    """Each planned key's server per partition: plan by plan (in the order made), each plan's
+def assign(plan: Iterable[tuple[int, tuple[int, ...]]], nservers: int) -> dict[int, tuple[int, ...]]:
+    """Each key's server per partition for one plan, (key, bytes of each partition) pairs: its
     partitions largest first (ties by key, then partition) onto the server with the fewest bytes
-    so far (the lowest index on a tie)."""
+    so far; among equally loaded servers the first from the plan's smallest key mod servers, so
+    that small plans do not all start on server 0."""
     if nservers < 1:
         raise ValueError(f"nservers must be at least 1, got {nservers}")
+    plan = dict(plan)
     loads = [0] * nservers
-    table: dict[int, list[int]] = {}
-    for plan in plans:
-        plan = dict(plan)
-        for key, sizes in plan.items():
-            table[key] = [0] * len(sizes)
-        for _, key, index in sorted((-size, key, index) for key, sizes in plan.items()
-                                    for index, size in enumerate(sizes)):
-            server = min(range(nservers), key=loads.__getitem__)
-            loads[server] += plan[key][index]
-            table[key][index] = server
+    first = min(plan, default=0) % nservers
+    order = [(first + i) % nservers for i in range(nservers)]
+    table = {key: [0] * len(sizes) for key, sizes in plan.items()}
+    for _, key, index in sorted((-size, key, index) for key, sizes in plan.items() for index, size in enumerate(sizes)):
+        server = min(order, key=loads.__getitem__)
+        loads[server] += plan[key][index]
+        table[key][index] = server
     return {key: tuple(servers) for key, servers in table.items()}
 
 
@@ -90,18 +95,17 @@ def plan_of(tensors: Iterable[tuple[str, int, int]], partition_bytes: int) -> tu
 
 
 def plan_servers(tensors: Iterable[tuple[str, int, int]], partition_bytes: int) -> None:
-    """Balance the servers' bytes over ``tensors`` (see :func:`plan_of` and the module docstring),
-    on top of earlier plans: a tensor planned before stays where it is."""
+    """Balance the servers' bytes over ``tensors`` (see :func:`plan_of` and the module docstring);
+    a tensor planned before keeps its servers."""
     plan = plan_of(tensors, partition_bytes)
     with _lock:
-        new = tuple((key, sizes) for key, sizes in plan if key not in _planned)
-        moved = sum(key in _sent for key, _ in new)
+        moved = sum(key in _sent and key not in _planned for key, _ in plan)
         if moved:
             raise ValueError(f"plan_servers: {moved} of these tensors were pushed already; plan a "
                              "tensor before its first push_pull, on every rank")
-        if new:
-            _plans.append(new)
-            _planned.update(key for key, _ in new)
+        if plan and plan not in _plans:
+            _plans.append(plan)
+            _planned.update(key for key, _ in plan)
             _by_servers.clear()
 
 
