@@ -169,6 +169,7 @@ class Message:
     _spec: ClassVar[tuple[tuple[str, str, Reader], ...]] = ()
     _wire_op: ClassVar[str] = ""
     _read_fields: ClassVar[Callable[[Mapping[str, Any]], dict[str, Any]]]
+    _defaults: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def decode(cls: type[M], header: Mapping[str, Any]) -> M:
@@ -184,6 +185,15 @@ class Message:
             return msg
         except ProtocolError as exc:
             raise ProtocolError(f"{cls.op.value} message: {exc}") from None
+
+    @classmethod
+    def made(cls: type[M], **values: Any) -> M:
+        """A message this process makes itself, without the checks of the dataclass __init__
+        (a server makes two replies a round: ~1 us each saved). Fields not given get their defaults."""
+        msg = object.__new__(cls)
+        msg.__dict__.update(cls._defaults)
+        msg.__dict__.update(values)
+        return msg
 
     def encode(self) -> dict[str, Any]:
         """The header to send (fields that are None are left out)."""
@@ -213,6 +223,7 @@ def message(op: Op) -> Callable[[type[M]], type[M]]:
         cls._wire_op = op.value  # a plain str: what msgpack packs, without the enum's lookup
         cls._spec = tuple((f.name, f.metadata.get("wire") or f.name, f.metadata["read"])
                           for f in dataclasses.fields(cls))
+        cls._defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         cls._read_fields = staticmethod(_compile_decoder(cls.__name__, [
             (f.name, f.metadata.get("wire") or f.name, f.metadata["read"], f.metadata.get("fast"), f.default)
             for f in dataclasses.fields(cls)]))

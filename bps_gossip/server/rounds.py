@@ -66,6 +66,7 @@ class Rounds:
         self.early: collections.deque[Held] = collections.deque()
         self.early_bytes = 0
         self.generation = 0  # elastic: rounds of older generations are failed and dropped
+        self.frame_limit = server_frame_limit(config)
 
     # -- address books and generations --------------------------------------------
     def take_book(self, book: AddressBook) -> None:
@@ -182,7 +183,7 @@ class Rounds:
     def _region(self, rank: int, push: Push) -> np.ndarray:
         """The region of worker ``rank``'s own shared-memory segment named in its push, within the
         limit a frame has (shared memory must not be a way around it)."""
-        limit = server_frame_limit(self.config)
+        limit = self.frame_limit
         if push.nbytes > limit:
             raise ProtocolError(f"rank {rank} pushed {push.nbytes} bytes through shared memory, more than the "
                                 f"servers take ({limit})")
@@ -282,9 +283,9 @@ class Rounds:
         frame = rnd.acc.copy() if remote and rnd.acc_in_region else rnd.acc
         for who in rnd.pushes.values():
             if who.region is not None:  # the sum is already in its region (write_back)
-                self.reply(who, Result(req=who.req, shm=True), ())
+                self.reply(who, Result.made(req=who.req, shm=True), ())
             else:
-                self.reply(who, Result(req=who.req), (frame,))
+                self.reply(who, Result.made(req=who.req), (frame,))
 
     def pool_done(self, rid: RoundId, error: str | None) -> None:
         """A round the pool completed (or whose summation failed)."""

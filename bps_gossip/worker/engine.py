@@ -17,8 +17,8 @@ Rejoin, and the next address book starts the new generation everywhere.
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -66,7 +66,9 @@ class Engine:
         self.scheduler.listener = self
         self.book: Book | None = None  # replaced whole at every generation: safe to read anywhere
         self.has_state = False  # elastic: this worker holds the job's state (told on rejoin)
-        self._inbox: queue.SimpleQueue[cmd.Command] = queue.SimpleQueue()
+        # API threads append, the engine thread pops (both atomic); a deque, not a queue: an empty
+        # queue.SimpleQueue says so by raising, once per wake of the engine thread.
+        self._inbox: collections.deque[cmd.Command] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._seqs: dict[str, int] = {}
@@ -127,7 +129,7 @@ class Engine:
             return
         if not isinstance(command, cmd.PeerBlocked):  # telling where training waits is no progress
             self.submitted += 1  # progress, for the scheduler (a rank reported as stuck is stuck if this stands still)
-        self._inbox.put(command)
+        self._inbox.append(command)
         os.write(self._wake_w, b".")
         if self._dead is not None:  # the thread ended meanwhile and may have missed this command
             self._fail_inbox()
@@ -160,8 +162,8 @@ class Engine:
     def _fail_inbox(self) -> None:
         while True:
             try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
+                command = self._inbox.popleft()
+            except IndexError:  # empty (two threads may empty it at once)
                 return
             self._drop(command, self._dead)
 
@@ -226,11 +228,9 @@ class Engine:
             os.read(self._wake_r, 65536)
         except BlockingIOError:
             pass
-        while self._running:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        inbox = self._inbox
+        while self._running and inbox:
+            command = inbox.popleft()  # only this thread pops while it runs
             if self._broken is not None and not isinstance(command, (cmd.Stop, cmd.Finished)):
                 self._drop(command, self._broken)
             elif self._stale is not None and not isinstance(command, UNSTOPPABLE):

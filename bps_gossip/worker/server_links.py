@@ -40,6 +40,7 @@ from .server_choice import server_of
 from .trace import Tracer, now_us
 
 LEADER = -1  # the target of a local's pushes: its host leader, not a server
+PUSH = Push.header()["op"]
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
@@ -240,9 +241,10 @@ class ServerLinks:
             sent = now_us()
             self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
             op.stamps[index] = sent
-        header = Push.header(req=req, key=op.key, name=op.name, part=index, seq=op.seq, count=count,
-                             wire=op.send.dtype.str, dtype=op.sig["dtype"], shape=op.sig["shape"],
-                             kind=op.sig["kind"], ack=not small, gen=self.generation)
+        sig = op.sig
+        header = {"op": PUSH, "req": req, "key": op.key, "name": op.name, "part": index, "seq": op.seq,
+                  "count": count, "wire": op.send.dtype.str, "dtype": sig["dtype"], "shape": sig["shape"],
+                  "kind": sig["kind"], "ack": not small, "gen": self.generation}  # Push.header, inlined
         if op.codecs is not None:
             header["codec"] = op.codecs[index]
         if way is Way.HOSTED:
