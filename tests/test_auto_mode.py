@@ -109,6 +109,22 @@ def test_allreduce_is_measured_when_the_slow_rank_is_not_late_enough():
     assert not policy.estimated
 
 
+def test_allreduce_is_not_measured_when_a_lower_bound_from_the_links_decides():
+    """Gossip's step under the margin of a lower bound of allreduce's (from the links gossip
+    measured): no probe, no switch; where the bound does not decide, allreduce is measured."""
+    policy = AutoPolicy()
+    decision = policy.decide(Window("gossip", 0.10, allreduce_estimate=0.336))  # 0.10 < 0.6 x 0.336
+    assert decision.mode == "gossip" and not decision.probe, decision.why
+    assert decision.why.startswith("allreduce not measured: its step takes at least 336.0 ms")
+    assert policy.estimated and policy.cost["allreduce"] == pytest.approx(0.336)
+    assert "(estimated)" in policy.decide(Window("gossip", 0.10, allreduce_estimate=0.336)).why
+    close = AutoPolicy()
+    decision = close.decide(Window("gossip", 0.025, allreduce_estimate=0.035))  # 0.025 >= 0.6 x 0.035
+    assert decision.mode == "allreduce" and decision.probe and not close.estimated
+    with pytest.raises(ValueError, match="allreduce_estimate"):
+        AutoPolicy().decide(Window("gossip", 0.1, allreduce_estimate=float("nan")))
+
+
 def test_the_same_windows_give_the_same_decisions():
     windows = [Window("allreduce", 0.1), Window("gossip", 0.07)] + [Window("gossip", 0.07)] * 12
     runs = []

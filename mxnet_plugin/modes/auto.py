@@ -71,7 +71,8 @@ class AutoMode(TrainerMode):
 
     def __init__(self, trainer: mx.gluon.Trainer, setup: ModeSetup) -> None:
         super().__init__(trainer, setup)  # without compression (mode_class refused it)
-        self.window = load_config().auto_window
+        config = load_config()
+        self.window, self.servers = config.auto_window, max(1, config.num_server)
         self.unscaled = trainer._scale
         self.modes: dict[str, TrainerMode] = {"gossip": GossipMode(trainer, setup),
                                               "allreduce": AllreduceMode(trainer, setup)}
@@ -174,6 +175,23 @@ class AutoMode(TrainerMode):
         gossip = self.modes["gossip"]
         return gossip.gossip.slow_links() if self.active is gossip else {}
 
+    def _allreduce_estimate(self) -> float:
+        """A lower bound of an allreduce step's seconds from what gossip's routing measured (0: not
+        known, outside gossip): the median fast rank's compute a round plus every worker's
+        gradient (the model's bytes) through one server's link, one way, at the median fast
+        pair's transit of one model. Every rank has the same numbers (routing decides on sums)."""
+        gossip = self.modes["gossip"]
+        averager = getattr(gossip.gossip, "averager", None) if self.active is gossip else None
+        routing = getattr(averager, "routing", None)
+        if routing is None or not routing.links or not routing.busy:
+            return 0.0
+        fast = [rank for rank in routing.links if rank not in routing.slow]
+        if not fast:
+            return 0.0
+        transit = float(np.median([routing.links[rank] for rank in fast]))
+        compute = float(np.median([routing.busy.get(rank, 0.0) for rank in fast]))
+        return compute + transit * core.size() / self.servers
+
     def _end_window(self, now: float) -> None:
         """Measure the window; decide on it now in allreduce (the ranks are in step: the push_pull
         waits for nobody), and in gossip decide on the window before it, whose numbers travelled
@@ -183,8 +201,8 @@ class AutoMode(TrainerMode):
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
-                             self.average_seconds, float(self.trainer.learning_rate), *self._window_loss()],
-                            np.float64)
+                             self.average_seconds, float(self.trainer.learning_rate), *self._window_loss(),
+                             self._allreduce_estimate()], np.float64)
         if self.active.name != "gossip":
             mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
             self._switch(self._decide(self.active.name, mean, self.windows))
@@ -220,7 +238,7 @@ class AutoMode(TrainerMode):
         known = mean[6] >= 1.0 - 1e-9 and math.isfinite(mean[5])
         return Window(mode, float(mean[0]), routing_changed=bool(mean[1] > 0), slow_lateness=float(mean[2]),
                       windows=windows, average_seconds=float(mean[3]), learning_rate=float(mean[4]),
-                      loss=float(mean[5]) if known else None)
+                      loss=float(mean[5]) if known else None, allreduce_estimate=float(mean[7]))
 
     def _switch(self, decision: Decision) -> None:
         step = self.steps

@@ -19,6 +19,12 @@ The rule:
   waits for that rank's gradient, a model's worth of bytes like a gossip message, and on one
   slow link measuring allreduce once cost as much as 5x the whole gossip run's 5% (docs/netns.md).
   Its cost is then taken to be ``ALLREDUCE_WAIT`` times that lateness until it is measured.
+- Nor is allreduce measured when gossip's step is under the margin of a lower bound of
+  allreduce's, estimated from what gossip measured (``Window.allreduce_estimate``): a step's
+  compute plus the bytes the busiest server link carries (every worker's gradient, one way) at
+  the speed of the links between workers. Measuring it (a probe and two switches) cost 1.3-1.8 s
+  of a 6-epoch run's 7 s on 100 Mbit/s links (docs/performance.md). Where the bound does not
+  decide, allreduce is measured: it is then likely the faster mode, and its probe trains.
 - Then the faster one per step runs, where gossip counts as faster only below
   ``GOSSIP_MARGIN`` of allreduce's time: a gossip step moves the average model less surely than
   an exact one. Measured on emulated hosts (docs/netns.md, the digits MLP, 4 workers), gossip
@@ -99,6 +105,8 @@ class Window:
     average_seconds: float = 0.0  # what the last exact average took (0: none yet)
     learning_rate: float = 0.0  # the optimizer's at the window's end (0: not known)
     loss: float | None = None  # the mean over the window's steps and the ranks (None: not given by every rank)
+    # gossip: seconds an allreduce step takes at least, from the links gossip measured (0: not known)
+    allreduce_estimate: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +230,7 @@ class AutoPolicy:
     def _check(window: Window) -> None:
         if window.mode not in MODES:
             raise ValueError(f"window of mode {window.mode!r}: not one of {MODES}")
-        for field in ("seconds_per_step", "slow_lateness", "average_seconds", "learning_rate"):
+        for field in ("seconds_per_step", "slow_lateness", "average_seconds", "learning_rate", "allreduce_estimate"):
             value = getattr(window, field)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field}={value!r} must be finite and >= 0")
@@ -251,6 +259,13 @@ class AutoPolicy:
                                           f"{waits * 1000:.0f} ms for the slow rank gossip routes around "
                                           f"({window.slow_lateness * 1000:.0f} ms late), gossip's step "
                                           f"{window.seconds_per_step * 1000:.1f} ms")
+        estimate = window.allreduce_estimate
+        if ("allreduce" not in self.cost and window.mode == "gossip" and estimate > 0
+                and window.seconds_per_step < self.margin * estimate):
+            self.cost["allreduce"], self.estimated = estimate, True
+            return Decision("gossip", f"allreduce not measured: its step takes at least {estimate * 1000:.1f} ms "
+                                      f"(its bytes over the links gossip measured), gossip's "
+                                      f"{window.seconds_per_step * 1000:.1f} ms")
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
             return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=self.short(missing[0]))
