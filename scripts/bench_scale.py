@@ -8,16 +8,16 @@ emulate compute by sleeping --compute-ms, then push_pull (sum) the gradients of 
 its tensor sizes and count, fused as mxnet_plugin fuses them (gradients of up to 256 KiB into
 buckets of up to 4 MiB, in backward's order; --no-fusion pushes each alone), all started at
 once and waited for, as a trainer's step does. Each configuration (workers, servers,
-BPS_GOSSIP_HOST_REDUCE on or off) runs its own scheduler, servers and workers; the clusters of
+BPS_GOSSIP_HOST_REDUCE on or off, placement) runs its own scheduler, servers and workers; the clusters of
 one worker count are alive together and driven pass by pass in turn (order reversed every
 other pass), so they see the same machine. The overhead of a step is its time minus the
 compute (median over a rank's timed steps, the slowest rank's), and every result is checked
 against the exact sum. Beside the ratio to the bound, each row shows its overhead over that of
 the fewest servers with the same host reduce (more servers should never be slower), the
-busiest server's share of a step's bytes (a partition's server follows a hash of its tensor's
-name, BYTEPS_PARTITION_BYTES sets the partitions: both reach every process from this
-environment) and the CPU milliseconds per step of the workers and of the servers (with the
-scheduler), from /proc.
+busiest server's share of a step's bytes (--placement plan: every worker plans its tensors'
+servers, bps_gossip.worker.server_choice; hash: (key + partition) mod servers, the key a hash
+of the name; BYTEPS_PARTITION_BYTES of this environment sets the partitions) and the CPU
+milliseconds per step of the workers and of the servers (with the scheduler), from /proc.
 
 The bound is the memory traffic no single-host design avoids when every worker's gradients
 live in its own process: each worker's gradient copied in (to where the reduce reads it), the
@@ -34,10 +34,9 @@ ever add time), the median over passes. With the sum reading at about copy's spe
 about 3 x N x B / memcpy bandwidth.
 
 What the data paths move today (shared memory on one host): each worker's copy in (to its
-segment) and out; N-1 pairwise additions into the first pusher's region, each reading two
-buffers and writing one (on the servers' threads, or with host reduce on the host leader's
-engine thread); and N-1 copies of the sum into the other workers' regions. The bound is one
-core's: where cores are to spare, different workers' copies overlap and the ratio can go below 1.
+segment) and out; the sum on the servers' threads (or, with host reduce, on the host leader's
+engine thread, block by block) and the sum copied into the other workers' regions. The bound is
+one core's: where cores are to spare, copies overlap and the ratio can go below 1.
 """
 
 from __future__ import annotations
