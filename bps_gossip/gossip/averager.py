@@ -236,11 +236,16 @@ class GossipAverager:
 
     def _absorb_owed(self, tracer: Any = None, everything: bool = False) -> None:
         """Absorb deferred messages: those that arrived, in order; the oldest of a source that
-        owes more than MAX_OWED (or, with ``everything``, all) by waiting."""
+        owes more than MAX_OWED (or, with ``everything``, all) by waiting. A slow rank waits for
+        all but the newest: its edges carry once a period, the time its link takes to carry one
+        model, so the message of its last exchange is due by the next, and without it the slow
+        rank trained on its own shard alone (at 16 ranks it ended 10 points under the others)."""
+        slow_self = self.routing is not None and self.rank in self.routing.slow
         while self.owed:
             owed_by = collections.Counter(pending.sources[0] for pending in self.owed)
             waiting = [pending for pending in self.owed
-                       if everything or pending.arrived() or owed_by[pending.sources[0]] > MAX_OWED]
+                       if everything or pending.arrived() or owed_by[pending.sources[0]] > MAX_OWED
+                       or (slow_self and len(self.owed) > 1)]
             if not waiting:
                 return
             pending = waiting[0]
@@ -260,7 +265,9 @@ class GossipAverager:
         saving or stopping)."""
         while self.open:
             self._absorb(self.open.popleft())
-        self._absorb_owed()
+        # A slow rank waits for what is on its way to it: nobody waits for it, and its model is
+        # about to be evaluated or saved (a transit of its link, once an epoch).
+        self._absorb_owed(everything=self.routing is not None and self.rank in self.routing.slow)
 
     def drain(self) -> None:
         """Absorb everything in flight to this rank, waiting for deferred messages too."""
