@@ -61,7 +61,8 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
         traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(),
     )
     engine.servers.stage(op)
-    engine.submit(cmd.Submit(op))
+    if not engine.push_now(op):  # sent from this thread when it can be (worker.server_links)
+        engine.submit(cmd.Submit(op))
     return op.handle
 
 

@@ -59,6 +59,7 @@ class Server:
         self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
         self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
         self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
+        self.curve = bool(self.sock.getsockopt(zmq.CURVE_SERVER))  # asked once, not on every wake
         self.outbox = Outbox(self.sock, self.log)
         self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config, routing_id("server", config.keys))
         self.pool = SumPool(config.server_engine_threads)
@@ -175,7 +176,7 @@ class Server:
 
     def _drain_socket(self) -> None:
         # bounded, so the scheduler and the pool are served too
-        drain(self.sock, True, self.handlers, self.drops, 256)
+        drain(self.sock, True, self.handlers, self.drops, 256, self.curve)
 
     def close(self) -> None:
         """Stop the pool and close the sockets."""

@@ -52,13 +52,21 @@ class DropLog:
         self.last, self.unreported = now, 0
 
 
-def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops: DropLog, limit: int) -> None:
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock`` (ZMQ_EVENTS: also what a poll on its ZMQ_FD needs after a send)."""
+    return bool(_get(sock, _EVENTS) & _POLLIN)
+
+
+def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops: DropLog, limit: int,
+          curve: bool | None = None) -> bool:
     """Handle up to ``limit`` waiting messages of ``sock`` by their ``op``; on a CURVE ROUTER, only
-    those whose routing id is their connection's key's."""
-    identified = routed and bool(_get(sock, _CURVE_SERVER))
+    those whose routing id is their connection's key's (``curve``: whether ``sock`` serves CURVE,
+    if the caller knows; else asked). True if it stopped at ``limit`` (more may wait: a poll on the
+    socket's ZMQ_FD would not say so again)."""
+    identified = routed and bool(_get(sock, _CURVE_SERVER) if curve is None else curve)
     for _ in range(limit):
         if not _get(sock, _EVENTS) & _POLLIN:
-            return
+            return False
         try:
             route, msg, frames = recv_message(sock, routed, identified)
             handler = handlers.get(msg["op"])
@@ -67,3 +75,4 @@ def drain(sock: zmq.Socket, routed: bool, handlers: Mapping[str, Handler], drops
             handler(route, msg, frames)
         except MALFORMED as exc:
             drops.dropped(exc)
+    return True

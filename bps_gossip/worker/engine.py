@@ -33,6 +33,7 @@ from ..thread_names import ENGINE, named
 from ..transport.security import routing_id
 from ..transport.shm import SegmentPool, shm_available
 from . import commands as cmd
+from .operation import Operation
 from .peer_endpoint import PeerEndpoint
 from .scheduler_link import Book, SchedulerLink
 from .server_links import ServerLinks
@@ -134,6 +135,20 @@ class Engine:
         if self._dead is not None:  # the thread ended meanwhile and may have missed this command
             self._fail_inbox()
 
+    def push_now(self, op: Operation) -> bool:
+        """Send a small push_pull from the calling thread if nothing is ahead of it (see
+        worker.server_links); False: it must be submitted to the engine thread instead."""
+        servers = self.servers
+        with servers.lock:
+            if not self._running or self._dead is not None or self._broken is not None or self._stale is not None \
+                    or self._inbox or not servers.push_now(op):
+                return False
+            self.submitted += 1
+            wake = servers.unseen
+        if wake:  # a reply the engine's poll may not hear of: let it look
+            os.write(self._wake_w, b".")
+        return True
+
     def stop(self, timeout: float = 5.0, crashed: bool = False) -> None:
         """Leave the job (``crashed``: because of an uncaught exception) and stop the engine thread."""
         if not self._running:
@@ -185,8 +200,9 @@ class Engine:
             self.log.exception("engine thread crashed")
             self.on_broken(PeerLostError(f"bps_gossip engine crashed: {exc!r}"))
         finally:
-            self._close()
-            self._dead = self._broken or NotInitializedError("bps_gossip was shut down")
+            with self.servers.lock:  # no caller sends on a socket being closed (push_now)
+                self._close()
+                self._dead = self._broken or NotInitializedError("bps_gossip was shut down")
             self._fail_inbox()
 
     def _close(self) -> None:
@@ -206,22 +222,32 @@ class Engine:
     def _loop(self) -> None:
         poller = self._poller()
         more = False  # partitions ready to go: do not sleep in poll
-        while self._running:
-            if self._sockets_changed:  # a new generation brought other servers
-                poller = self._poller()
-            now = time.monotonic()
-            if self.scheduler.tick(now, self.submitted):
-                self._check_deadlines(now)
-            wait_ms = 0 if more else int(self.scheduler.seconds_to_beat(time.monotonic()) * 1000)
-            events = dict(poller.poll(min(wait_ms, 200)))
-            if self._wake_r in events:
-                self._drain_inbox()
-            if self.scheduler.sock in events:
-                self.scheduler.drain()
-            if self.peers.sock in events:
-                self.peers.drain()
-            self.servers.drain(events)
-            more = self.servers.dispatch()
+        lock = self.servers.lock  # held but while polling: callers send small pushes meanwhile (push_now)
+        lock.acquire()
+        try:
+            while self._running:
+                if self._sockets_changed:  # a new generation brought other servers
+                    poller = self._poller()
+                now = time.monotonic()
+                if self.scheduler.tick(now, self.submitted):
+                    self._check_deadlines(now)
+                more = self.servers.readable() or more  # a reply our own sends may have left unannounced
+                wait_ms = 0 if more else int(self.scheduler.seconds_to_beat(time.monotonic()) * 1000)
+                lock.release()
+                try:
+                    events = dict(poller.poll(min(wait_ms, 200)))
+                finally:
+                    lock.acquire()
+                if self._wake_r in events:
+                    self._drain_inbox()
+                if self.scheduler.sock in events:
+                    self.scheduler.drain()
+                if self.peers.sock in events:
+                    self.peers.drain()
+                self.servers.drain(events)
+                more = self.servers.dispatch()
+        finally:
+            lock.release()
 
     def _drain_inbox(self) -> None:
         try:

@@ -1,5 +1,14 @@
 """The worker's links to the servers: one DEALER per server, credit, dispatch, replies and
-deadlines. Runs on the engine thread (``stage`` excepted: the caller's thread).
+deadlines. Runs on the engine thread, holding ``lock`` (``stage`` excepted: the caller's thread;
+and ``push_now``, the caller's thread holding ``lock``).
+
+A small push_pull of one partition with nothing queued ahead of it is sent by its caller at once
+(``push_now``): handing it to the engine thread cost a wake of that thread and a pass of its loop,
+about a third of the engine's CPU per small push_pull. ZeroMQ sockets are not thread-safe, so
+the engine never polls the server sockets themselves while the caller may send on them: it polls
+their notification descriptors (ZMQ_FD, which only say "look at ZMQ_EVENTS") and uses the sockets
+only while it holds ``lock``. A send can consume the notification of a reply that arrived
+meanwhile; whoever sent checks ZMQ_EVENTS afterwards (``readable``) so that no reply waits unseen.
 
 Tensors are split into partitions spread over the servers (worker.server_choice)
 and sent in priority order (BytePS: larger priority first) with at most
@@ -18,6 +27,7 @@ import heapq
 import itertools
 import logging
 import math
+import threading
 import time
 from typing import Any, Callable
 
@@ -30,7 +40,7 @@ from ..errors import CommTimeoutError, PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..transport import endpoint_host, send_message
-from ..transport.receive import DropLog, drain
+from ..transport.receive import DropLog, drain, readable
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
 from .host_link import HostLink, Way
@@ -61,7 +71,11 @@ class ServerLinks:
         self.log = log
         self.segments = segments
         self.tracer = tracer
+        self.lock = threading.Lock()  # held by whichever thread uses the server sockets (module docstring)
         self.sockets: list[zmq.Socket] = []
+        self._fds: list[int] = []  # each server socket's ZMQ_FD, what the engine polls
+        self._look = False  # a reply may wait unseen on some server socket: read them all
+        self._sent = False  # the engine thread sent on server sockets since it last looked
         self.addresses: list[str] = []
         self.shm_servers: frozenset[int] = frozenset()  # servers on this host (replaced, never mutated)
         self.rank = -1
@@ -107,6 +121,8 @@ class ServerLinks:
         for sock in kept.values():  # servers no longer in the job
             sock.close(linger=0)
         self.addresses = list(book.servers)
+        self._fds = [sock.get(zmq.FD) for sock in self.sockets]
+        self._look = True
         return True
 
     def _table(self, index: int) -> dict[str, Callable[..., None]]:
@@ -120,17 +136,27 @@ class ServerLinks:
                          Stats: heard(self._on_stats)})
 
     @property
-    def poll_sockets(self) -> list[zmq.Socket]:
-        """What the engine polls for this part: the servers and the host leader."""
-        return self.sockets if self.hosts.sock is None else [*self.sockets, self.hosts.sock]
+    def poll_sockets(self) -> list[zmq.Socket | int]:
+        """What the engine polls for this part: the servers' ZMQ_FDs (never the sockets: a caller
+        may send on them meanwhile, see the module docstring) and the host leader's socket."""
+        return self._fds if self.hosts.sock is None else [*self._fds, self.hosts.sock]
 
     def drain(self, events: dict[Any, int]) -> None:
         """Read the replies of every server (and host leader) that has some (bounded per server)."""
+        look, self._look = self._look, False
         for index, sock in enumerate(self.sockets):
-            if sock in events:
-                drain(sock, False, self._handlers[index], self._drops, 1024)
+            if look or self._fds[index] in events or sock in events:
+                self._look |= drain(sock, False, self._handlers[index], self._drops, 1024)  # True: more left
         if self.hosts.sock is not None and self.hosts.sock in events:
             drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
+
+    def readable(self) -> bool:
+        """After the engine's sends: whether a reply waits that the server sockets' descriptors
+        may not announce (then the engine reads before it sleeps)."""
+        if self._sent:
+            self._sent = False
+            self._look |= any(readable(sock) for sock in self.sockets)
+        return self._look
 
     def close(self) -> None:
         """Close every server socket and the host leader link."""
@@ -165,13 +191,35 @@ class ServerLinks:
 
     def enqueue(self, op: Operation) -> None:
         """Queue every partition of ``op`` by priority."""
+        self._track(op)
+        for index in range(len(op.parts)):
+            heapq.heappush(self._heap, (-op.priority, next(self._order), op, index))
+
+    def _track(self, op: Operation) -> None:
         op.remaining = len(op.parts)
         if op.traced:
             op.stamps = dict.fromkeys(range(len(op.parts)), now_us())
         op.deadline = time.monotonic() + self.op_timeout()
         self.pending.add(op)
-        for index in range(len(op.parts)):
-            heapq.heappush(self._heap, (-op.priority, next(self._order), op, index))
+
+    def push_now(self, op: Operation) -> bool:
+        """On the caller's thread, holding ``lock``: send ``op`` at once if it is one small
+        partition pushed straight to a server and nothing waits to go before it (what dispatch
+        would send first); False: queue it as any other."""
+        if len(op.parts) != 1 or op.codecs is not None or op.traced or self._heap or not self.sockets \
+                or len(self._unacked) >= self.config.scheduling_credit \
+                or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES or self.hosts.way(op) is not Way.DIRECT:
+            return False
+        self._track(op)
+        self._push(op, 0, Way.DIRECT)
+        self._sent = False  # the engine looked before it let go of the lock: only this socket is new
+        self._look |= readable(self.sockets[op.key % len(self.sockets)])
+        return True
+
+    @property
+    def unseen(self) -> bool:
+        """Whether replies may wait that the engine must read (see push_now)."""
+        return self._look
 
     def op_timeout(self) -> float:
         """How long an operation may wait for a server that says nothing at all. Servers
@@ -221,6 +269,7 @@ class ServerLinks:
                              kind=f"{sig['kind']} (on the host of rank {self.rank}, {why})"[:1024],
                              ack=False, gen=self.generation, hosted=True)
         send_message(self.sockets[server], header, (b"",))
+        self._sent = True
 
     def _push(self, op: Operation, index: int, way: Way) -> None:
         server = server_of(op.key, index, len(self.sockets))
@@ -250,6 +299,7 @@ class ServerLinks:
         if way is Way.HOSTED:
             header["hosted"] = True
         sock = self.hosts.sock if target == LEADER else self.sockets[server]
+        self._sent = True
         if op.segment is not None and (target == LEADER or server in self.shm_servers):
             header["shm"] = op.segment.name
             header["offset"] = op.segment_base + offset * op.send.dtype.itemsize
@@ -265,6 +315,7 @@ class ServerLinks:
         self._stats[req] = (future, [None] * len(self.sockets))
         for sock in self.sockets:
             send(sock, Stats(req=req))
+        self._sent = True
 
     # -- replies --------------------------------------------------------------------
     def _take(self, req: int) -> tuple[Operation, int, int] | None:
