@@ -6,9 +6,10 @@ nothing, up to 8 times) the ranks average what they measured (seconds per step; 
 whether the ranks it routes around changed and how late they are; the loss, when ``step`` is
 given it) with one push_pull and
 :class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
-window (see that module for the rule). In allreduce the decision is taken at once; in gossip
-on the window before, whose push_pull travelled while this one ran (a push_pull every rank waits
-at would hold the fast ranks up for the slow ones gossip routes around). The worker's log says at INFO what it switched to and
+window (see that module for the rule). In allreduce, and in gossip while it routes around no
+rank, the decision is taken at once; in gossip around slow ranks on the window before, whose
+push_pull travelled while this one ran (a push_pull every rank waits at would hold the fast
+ranks up for the slow ones). The worker's log says at INFO what it switched to and
 why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
 MAX_HISTORY decisions.
 
@@ -193,17 +194,23 @@ class AutoMode(TrainerMode):
         return compute + transit * core.size() / self.servers
 
     def _end_window(self, now: float) -> None:
-        """Measure the window; decide on it now in allreduce (the ranks are in step: the push_pull
-        waits for nobody), and in gossip decide on the window before it, whose numbers travelled
-        while this one ran: a push_pull every rank waits at would hold the fast ranks up for the
-        ranks gossip routes around (on one slow link, auto's first epoch took 1 s longer)."""
+        """Measure the window; decide on it now in allreduce, and in gossip while it routes around
+        no rank (the ranks are in step: the push_pull waits for nobody; a decision one window late
+        cost a 6-epoch run at 1 Gbit/s ten gossip steps before it switched); while gossip routes
+        around slow ranks decide on the window before, whose numbers travelled while this one ran:
+        a push_pull every rank waits at would hold the fast ranks up for the slow ones (on one
+        slow link, auto's first epoch took 1 s longer). The slow ranks are the same on every rank
+        at a window's end (routing decides together), so every rank takes the same branch."""
         assert self.window_start is not None
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
                              self.average_seconds, float(self.trainer.learning_rate), *self._window_loss(),
                              self._allreduce_estimate()], np.float64)
-        if self.active.name != "gossip":
+        if self.active.name != "gossip" or not slow:
+            if self.pending is not None:  # a window decided on late: the newer numbers decide instead
+                core.synchronize(self.pending[0])
+                self.pending = None
             mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
             self._switch(self._decide(self.active.name, mean, self.windows))
             return
