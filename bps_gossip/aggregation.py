@@ -52,6 +52,7 @@ class Round:
         self.name = name
         self.sig = sig
         self.wire = np.dtype(wire)
+        self.wire_str = wire  # what a push names: compared as text first (parsing a dtype costs more)
         self.count = count
         self.pushes: dict[int, Contribution] = {}  # by rank
         self.acc: np.ndarray | None = None
@@ -72,7 +73,7 @@ class Round:
 
     def mismatch(self, rank: int, sig: dict[str, Any], wire: str, count: int) -> str | None:
         """The error text if a push from ``rank`` disagrees with the round, else None."""
-        if sig == self.sig and np.dtype(wire) == self.wire and count == self.count:
+        if sig == self.sig and count == self.count and (wire == self.wire_str or np.dtype(wire) == self.wire):
             return None
         first = min(self.pushes) if self.pushes else "?"
         return (

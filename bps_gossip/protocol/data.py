@@ -144,7 +144,7 @@ class Push(Message):
     @property
     def nbytes(self) -> int:
         """Bytes of the payload."""
-        return self.count * np.dtype(self.wire).itemsize
+        return self.count * wire_dtype(self.wire).itemsize
 
     def check_payload(self, frames: list[Any]) -> None:
         """A push over TCP carries exactly its payload in one frame."""

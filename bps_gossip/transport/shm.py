@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _posixshmem
 import ctypes
+import functools
 import os
 import threading
 import uuid
@@ -54,6 +55,7 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
     resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
 
 
+@functools.lru_cache(maxsize=4096)  # a server asks for every push; names come from workers: bounded
 def owner_pid(name: str) -> int | None:
     """The owner's pid written into a segment name by :func:`segment_name`, or None."""
     parts = name.split("_")
