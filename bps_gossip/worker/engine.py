@@ -138,6 +138,8 @@ class Engine:
     def push_now(self, op: Operation) -> bool:
         """Send a small push_pull from the calling thread if nothing is ahead of it (see
         worker.server_links); False: it must be submitted to the engine thread instead."""
+        if threading.get_ident() == self._thread.ident:  # a future's callback, on this thread (holds the lock)
+            return False
         servers = self.servers
         with servers.lock:
             if not self._running or self._dead is not None or self._broken is not None or self._stale is not None \
@@ -224,6 +226,7 @@ class Engine:
         more = False  # partitions ready to go: do not sleep in poll
         lock = self.servers.lock  # held but while polling: callers send small pushes meanwhile (push_now)
         lock.acquire()
+        self.servers.deferred = []
         try:
             while self._running:
                 if self._sockets_changed:  # a new generation brought other servers
@@ -233,6 +236,7 @@ class Engine:
                     self._check_deadlines(now)
                 more = self.servers.readable() or more  # a reply our own sends may have left unannounced
                 wait_ms = 0 if more else int(self.scheduler.seconds_to_beat(time.monotonic()) * 1000)
+                self.servers.flush()
                 lock.release()
                 try:
                     events = dict(poller.poll(min(wait_ms, 200)))
@@ -247,6 +251,8 @@ class Engine:
                 self.servers.drain(events)
                 more = self.servers.dispatch()
         finally:
+            self.servers.flush()
+            self.servers.deferred = None
             lock.release()
 
     def _drain_inbox(self) -> None:

@@ -76,6 +76,9 @@ class ServerLinks:
         self._fds: list[int] = []  # each server socket's ZMQ_FD, what the engine polls
         self._look = False  # a reply may wait unseen on some server socket: read them all
         self._sent = False  # the engine thread sent on server sockets since it last looked
+        # The engine completes finished operations just before it polls (flush): a waiter woken
+        # earlier would only wait again, for the interpreter lock the engine thread still holds.
+        self.deferred: list[Operation] | None = None
         self.addresses: list[str] = []
         self.shm_servers: frozenset[int] = frozenset()  # servers on this host (replaced, never mutated)
         self.rank = -1
@@ -369,7 +372,16 @@ class ServerLinks:
         if op.traced:
             self.tracer.event(op.name, "total", "total", op.submitted, now_us())
             self.tracer.finished(op.seq)
-        complete(op.handle, op.result)
+        if self.deferred is not None:
+            self.deferred.append(op)
+        else:
+            complete(op.handle, op.result)
+
+    def flush(self) -> None:
+        """Complete the operations that finished while ``deferred`` held them."""
+        done, self.deferred = self.deferred, []
+        for op in done:
+            complete(op.handle, op.result)
 
     def _on_stats(self, index: int, msg: Stats, _frames: list[zmq.Frame]) -> None:
         entry = self._stats.get(msg.req)
