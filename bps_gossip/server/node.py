@@ -136,12 +136,20 @@ class Server:
 
     # -- loop ---------------------------------------------------------------------
     def run(self) -> None:
-        """Serve pushes until the scheduler says terminate (or stops answering)."""
+        """Serve pushes until the scheduler says terminate (or stops answering).
+
+        The loop polls the sockets' ZMQ_FDs, not the sockets (zmq_poll asks each socket for its
+        events before and after it waits: two system calls a socket per wake, the server wakes once
+        or twice a round) and reads both sockets on every wake. A descriptor only says that a
+        socket's state may have changed, and a send can take that news in: the loop reads after
+        its last send of a pass, and looks again at once after a heartbeat or a bounded read.
+        """
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.sched, zmq.POLLIN)
-        poller.register(self.pool.fileno(), zmq.POLLIN)
+        pool = self.pool.fileno()
+        for fd in (self.sock.getsockopt(zmq.FD), self.sched.getsockopt(zmq.FD), pool):
+            poller.register(fd, zmq.POLLIN)
         next_beat = time.monotonic()
+        look = True  # something may wait unannounced: do not sleep
         try:
             while self.running:
                 now = time.monotonic()
@@ -149,14 +157,14 @@ class Server:
                     next_beat = now + self.config.heartbeat_interval
                     if not self._beat(now):
                         return
-                events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
-                if self.pool.fileno() in events:
+                    look = True
+                wait_ms = 0 if look else max(1, int((next_beat - time.monotonic()) * 1000))
+                events = dict(poller.poll(wait_ms))
+                if pool in events:
                     for rid, error in self.pool.finished():
                         self.rounds.pool_done(rid, error)
-                if self.sched in events:
-                    drain(self.sched, False, self.scheduler_handlers, self.drops, 1024)
-                if self.sock in events:
-                    self._drain_socket()
+                look = drain(self.sched, False, self.scheduler_handlers, self.drops, 1024)
+                look = self._drain_socket() or look
         finally:
             self.close()
 
@@ -174,9 +182,9 @@ class Server:
             return False
         return True
 
-    def _drain_socket(self) -> None:
-        # bounded, so the scheduler and the pool are served too
-        drain(self.sock, True, self.handlers, self.drops, 256, self.curve)
+    def _drain_socket(self) -> bool:
+        # bounded, so the scheduler and the pool are served too; True: more may wait
+        return drain(self.sock, True, self.handlers, self.drops, 256, self.curve)
 
     def close(self) -> None:
         """Stop the pool and close the sockets."""
