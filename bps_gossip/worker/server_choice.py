@@ -94,6 +94,11 @@ def plan_of(tensors: Iterable[tuple[str, int, int]], partition_bytes: int) -> tu
     return tuple(sorted(plan.items()))
 
 
+def routed(name: str) -> bool:
+    """Whether this process has sent tensor ``name`` (a plan may no longer move it)."""
+    return key_of(name) in _sent
+
+
 def plan_servers(tensors: Iterable[tuple[str, int, int]], partition_bytes: int) -> None:
     """Balance the servers' bytes over ``tensors`` (see :func:`plan_of` and the module docstring);
     a tensor planned before keeps its servers."""
