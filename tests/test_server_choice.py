@@ -95,7 +95,9 @@ def test_each_plan_is_assigned_on_its_own():
 
 
 def test_a_tensor_already_pushed_cannot_be_planned():
+    assert not server_choice.routed("grad57")
     server_of(key_of("grad57"), 0, 2)  # routed by the hash: a plan now would move it
+    assert server_choice.routed("grad57") and not server_choice.routed("grad54")
     with pytest.raises(ValueError, match="pushed already"):
         plan_servers(RESNET, PARTITION)
 
