@@ -25,7 +25,9 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip import runtime
 from bps_gossip.compat import zip_exact
+from bps_gossip.worker.server_choice import plan_servers, routed
 
 from .layouts import contiguous_span, make_default, raw_view
 from .overlap import _rounds, poison, run_push_pull
@@ -39,6 +41,23 @@ T = TypeVar("T")
 
 _buffers: dict[str, np.ndarray] = {}  # bucket name -> its flat buffer, reused every step
 _buffers_lock = threading.Lock()
+
+
+def balance_servers(tensors: Iterable[tuple[str, Iterable[mx.nd.NDArray]]]) -> None:
+    """Spread a step's push_pulls (name, member arrays) over the servers by bytes
+    (:func:`bps_gossip.worker.server_choice.plan_servers`): every rank plans the same buckets
+    before their first push_pull, so every rank computes the same assignment. With few large
+    gradients a name's hash alone left one of 4 servers half of resnet18_v1's bytes. A name
+    already sent (a KVStore key's init broadcast) keeps its hashed servers, on every rank alike."""
+    current = runtime.peek()
+    if current is None:  # not initialized: nothing is pushed (the push_pull itself says so)
+        return
+    sizes = []
+    for name, arrays in tensors:
+        arrays = list(arrays)
+        if not routed(name):
+            sizes.append((name, sum(int(a.size) for a in arrays), np.dtype(arrays[0].dtype).itemsize))
+    plan_servers(sizes, current.config.partition_bytes)
 
 
 def cut_buckets(entries: Iterable[tuple[T, int, Hashable]]) -> tuple[list[list[T]], list[T]]:

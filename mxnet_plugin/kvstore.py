@@ -107,7 +107,10 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         raise_pending_error()
         outs = self._keys_values(key, out)
         values = dict(self._keys_values(key, value))
-        pending = [(broadcast_async(values[k][0], self._name(k), 0, priority), targets) for k, targets in outs]
+        # under a name of its own: the key's pushpull name stays unsent until its first step, so
+        # that fusion can plan its servers by bytes (mxnet_plugin.fusion.balance_servers)
+        pending = [(broadcast_async(values[k][0], f"kvstore.broadcast_{k}", 0, priority), targets)
+                   for k, targets in outs]
         for started, targets in pending:
             finish_push_pull(started, targets)
 

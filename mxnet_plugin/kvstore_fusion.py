@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Tuple
 
 import mxnet as mx
 
-from .fusion import cut_buckets, layout_text, nbytes_of, push_pull_fused_in_engine
+from .fusion import balance_servers, cut_buckets, layout_text, nbytes_of, push_pull_fused_in_engine
 from .shared_gradients import share_gradients, share_module_gradients
 
 Call = Tuple[Any, List[mx.nd.NDArray], int]  # (key, this worker's arrays of it, priority), summed in place
@@ -97,6 +97,9 @@ class StepFusion:
             members = [(f"{self.prefix}{calls[i][0]}", tuple(calls[i][1][0].shape)) for i in indices]
             self.buckets.append((indices, f"{self.prefix}fused_{first}_{len(indices)}", layout_text(members)))
         self.signature = signature
+        balance_servers([(name if len(indices) > 1 else f"{self.prefix}{calls[indices[0]][0]}",
+                          [calls[i][1][0] for i in indices]) for indices, name, _ in self.buckets]
+                        + [(f"{self.prefix}{calls[i][0]}", calls[i][1][:1]) for i in self.alone])
 
 
 def _dense(arrays: list[mx.nd.NDArray]) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 import bps_gossip as core
 
-from ..fusion import Bucket, PlannedBucket, plan_buckets
+from ..fusion import Bucket, PlannedBucket, balance_servers, plan_buckets
 from ..ops import finish_push_pull, push_pull_async, to_device, to_host
 from ..overlap import enabled_by_default, push_pull_in_engine, raise_pending_error
 from ..shared_gradients import share_gradients
@@ -123,6 +123,8 @@ class AllreduceMode(TrainerMode):
             share_gradients([[param for _, param in bucket] for bucket in buckets]
                             + [[param] for _, param in self.alone])
             self.buckets = [PlannedBucket(bucket) for bucket in buckets]
+            balance_servers([(b.name, [p.list_grad()[0] for p in b.params]) for b in self.buckets]
+                            + [(_gradient_name(param), param.list_grad()[:1]) for _, param in self.alone])
         for bucket in self.buckets:  # small gradients: one message per bucket (fusion.py)
             bucket.push_pull_in_engine()
         for index, param in self.alone:

@@ -1,0 +1,107 @@
+"""mxnet_plugin plans a step's fused push_pulls over the servers by bytes
+(bps_gossip.worker.server_choice.plan_servers), the same on every rank: DistributedTrainer's
+allreduce mode and gluon.Trainer with the 'bpsgossip' KVStore, 2 workers and 3 servers."""
+
+from __future__ import annotations
+
+import pytest
+from cluster import assert_all_ok
+from test_mxnet_ops import HELPERS
+
+SNIPPET = HELPERS + """
+import bps_gossip
+import mxnet_plugin as bps
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+from bps_gossip.worker.server_choice import assign, plan_of
+from bps_gossip.worker.tensors import key_of
+
+bps.init()
+rank = bps.rank()
+PARTITION = 65536  # BYTEPS_PARTITION_BYTES below: several partitions per large gradient
+
+def build(prefix):
+    net = nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(nn.Dense(256, in_units=512, activation="relu"), nn.Dense(192, in_units=256, activation="relu"),
+                nn.Dense(64, in_units=192, activation="relu"), nn.Dense(10, in_units=64))
+    net.initialize(mx.init.Xavier())
+    return net
+
+def train(net, trainer, steps=2):
+    x = mx.nd.array(np.random.RandomState(rank).standard_normal((8, 512)))
+    y = mx.nd.array(np.arange(8) % 10)
+    for _ in range(steps):
+        with autograd.record():
+            loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+        loss.backward()
+        trainer.step(8)
+    mx.nd.waitall()
+
+def served():
+    # (key, partition) -> server, from the servers' own counters
+    where = {}
+    for stats in bps_gossip.server_stats():
+        for key, parts in stats["parts"].items():
+            for part in parts:
+                where[(int(key), part)] = stats["rank"]
+    return where
+
+def expected(tensors):
+    # every partition of the planned tensors, and its server by the byte-balancing plan
+    plan = assign(plan_of(tensors, PARTITION), 3)
+    return {(key, i): server for key, servers in plan.items() for i, server in enumerate(servers)}
+
+def sizes(entries):
+    return [(name, sum(int(p.data().size) for p in params), 4) for name, params in entries]
+
+out = {"rank": rank}
+net = build("ar_")
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, mode="allreduce")
+train(net, trainer)
+mode = trainer._mode
+planned = [(b.name, b.params) for b in mode.buckets] + [(f"gradient_{p.name}", [p]) for _, p in mode.alone]
+want = expected(sizes(planned))
+got = served()
+out["allreduce_mismatch"] = sorted(str(k) for k, v in want.items() if got.get(k) != v)
+out["allreduce_differs_from_hash"] = sum(v != (key + i) % 3 for (key, i), v in want.items())
+out["allreduce_partitions"] = len(want)
+load = [0, 0, 0]
+for (key, i), server in want.items():
+    load[server] += 1
+out["allreduce_load"] = load
+
+net2 = build("kv_")
+trainer2 = gluon.Trainer(net2.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="bpsgossip")
+train(net2, trainer2)
+fusion = trainer2._kvstore._fusion
+entries = []
+params2 = trainer2._params  # gluon.Trainer's keys index these (sorted by name)
+keys = [key for key, _ in fusion.signature]  # call index -> gluon.Trainer's key (its parameter's index)
+for indices, name, _ in fusion.buckets:
+    entries.append((name if len(indices) > 1 else f"kvstore_{keys[indices[0]]}", [params2[keys[i]] for i in indices]))
+entries += [(f"kvstore_{keys[i]}", [params2[keys[i]]]) for i in fusion.alone]
+want2 = expected(sizes(entries))
+got2 = served()
+out["kvstore_checked"] = len(want2)
+out["kvstore_differs_from_hash"] = sum(v != (key + i) % 3 for (key, i), v in want2.items())
+out["kvstore_mismatch"] = sorted(str(k) for k, v in want2.items() if got2.get(k) != v)
+out["failures"] = failures
+report(out)
+bps.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_fused_steps_balance_bytes_over_servers(cluster):
+    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    done = job.run_workers(SNIPPET, timeout=110)
+    assert_all_ok(done, job)
+    for r in sorted((f.result for f in done), key=lambda r: r["rank"]):
+        assert not r["failures"], r["failures"]
+        # the names' hash alone would put some partitions elsewhere: the plan is what is checked
+        assert r["allreduce_differs_from_hash"] and r["kvstore_differs_from_hash"], r
+        assert r["allreduce_partitions"] >= 10 and not r["allreduce_mismatch"], r
+        assert max(r["allreduce_load"]) - min(r["allreduce_load"]) <= 1, r
+        assert r["kvstore_checked"] >= 10 and not r["kvstore_mismatch"], r
+    job.wait_servers_exit()
