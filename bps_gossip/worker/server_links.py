@@ -216,7 +216,7 @@ class ServerLinks:
         self._track(op)
         self._push(op, 0, Way.DIRECT)
         self._sent = False  # the engine looked before it let go of the lock: only this socket is new
-        self._look |= readable(self.sockets[op.key % len(self.sockets)])
+        self._look |= readable(self.sockets[server_of(op.key, 0, len(self.sockets))])
         return True
 
     @property
