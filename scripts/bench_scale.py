@@ -16,8 +16,9 @@ against the exact sum. Beside the ratio to the bound, each row shows its overhea
 the fewest servers with the same host reduce (more servers should never be slower), the
 busiest server's share of a step's bytes (--placement plan: every worker plans its tensors'
 servers, bps_gossip.worker.server_choice; hash: (key + partition) mod servers, the key a hash
-of the name; BYTEPS_PARTITION_BYTES of this environment sets the partitions) and the CPU
-milliseconds per step of the workers and of the servers (with the scheduler), from /proc.
+of the name; BYTEPS_PARTITION_BYTES of this environment sets the partitions), and the CPU
+milliseconds and wake-ups (voluntary context switches: each extra process's cost on few cores)
+per step of the workers and of the servers (with the scheduler), from /proc/<pid>/task.
 
 The bound is the memory traffic no single-host design avoids when every worker's gradients
 live in its own process: each worker's gradient copied in (to where the reduce reads it), the
@@ -62,6 +63,7 @@ from bench_common import (
     install_sigterm_handler,
     machine_info,
     median,
+    process_cpu,
     serve,
     write_json,
 )
@@ -298,18 +300,22 @@ def clusters_at_once(workers: int, nbytes: int, wanted: int) -> int:
     return max(1, min(wanted, int(free * 0.5 // (workers * (3 * nbytes + 60e6)))))
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, every thread) a live process has used; 0 where unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def process_wakeups(pid: int) -> int:
+    """How often ``pid``'s live threads slept and were woken (voluntary context switches)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            total += int(status.read_text().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
-def group_cpu(group: WorkerGroup) -> tuple[float, float]:
-    """CPU seconds so far of the group's workers, and of its servers and scheduler."""
-    return (sum(cpu_seconds(p.pid) for p in group.workers), sum(cpu_seconds(p.pid) for p in group.support))
+def group_usage(group: WorkerGroup) -> list[float]:
+    """CPU seconds (by thread, bench_common.process_cpu) and wake-ups so far of the group's
+    workers, and of its servers and scheduler: [worker CPU, server CPU, worker wake-ups, server wake-ups]."""
+    return [sum(process_cpu(p.pid) for p in group.workers), sum(process_cpu(p.pid) for p in group.support),
+            sum(process_wakeups(p.pid) for p in group.workers), sum(process_wakeups(p.pid) for p in group.support)]
 
 
 def start_clusters(job: Job, workers: int, combos: Sequence[tuple[int, str, str]]) -> list[WorkerGroup]:
@@ -333,16 +339,14 @@ class Tally:
         self.group = group
         self.overheads: list[list[float]] = [[] for _ in range(group.shape.workers)]  # by rank: step - compute, ms
         self.comms: list[float] = []  # from the end of the sleep, ms
-        self.worker_cpu = 0.0  # seconds, every worker together
-        self.server_cpu = 0.0  # seconds, the servers and the scheduler
+        self.usage = [0.0] * 4  # group_usage's: CPU seconds and wake-ups of the workers, of the servers
 
-    def add_pass(self, replies: list[dict[str, Any]], compute_ms: float, cpu: tuple[float, float]) -> None:
-        """One pass's replies (one per rank) and the CPU its processes took meanwhile."""
+    def add_pass(self, replies: list[dict[str, Any]], compute_ms: float, usage: list[float]) -> None:
+        """One pass's replies (one per rank) and what its processes used meanwhile (group_usage)."""
         for rank, reply in enumerate(replies):
             self.overheads[rank] += [ms - compute_ms for ms in reply["step_ms"]]
             self.comms += reply["comm_ms"]
-        self.worker_cpu += cpu[0]
-        self.server_cpu += cpu[1]
+        self.usage = [total + used for total, used in zip(self.usage, usage)]
 
     def record(self, bounds: list[float], pushed: list[tuple[str, int, int]], args: argparse.Namespace) -> dict[str, Any]:
         """The results of this cluster (``bounds``: seconds, one per pass)."""
@@ -354,8 +358,9 @@ class Tally:
         return {"workers": shape.workers, "servers": shape.servers, "placement": placement,
                 "host_reduce": self.group.system.env["BPS_GOSSIP_HOST_REDUCE"], "overhead_ms": overhead,
                 "comm_ms": median(self.comms), "bound_ms": bound_ms, "ratio": overhead / bound_ms,
-                "bound_ms_per_pass": [b * 1e3 for b in bounds], "worker_cpu_ms": self.worker_cpu * 1e3 / steps,
-                "server_cpu_ms": self.server_cpu * 1e3 / steps, "server_bytes": loads,
+                "bound_ms_per_pass": [b * 1e3 for b in bounds], "worker_cpu_ms": self.usage[0] * 1e3 / steps,
+                "server_cpu_ms": self.usage[1] * 1e3 / steps, "worker_wakeups": self.usage[2] / steps,
+                "server_wakeups": self.usage[3] / steps, "server_bytes": loads,
                 "busiest_server_share": max(loads) / max(sum(loads), 1)}
 
 
@@ -376,10 +381,9 @@ def run_clusters(groups: list[WorkerGroup], pushed: list[tuple[str, int, int]], 
         bandwidths.append(bandwidth)
         bounds.append(memory_bound(workers, nbytes, bandwidth["copy_s_per_byte"], bandwidth["sum_s_per_byte"]))
         for tally in tallies if index % 2 == 0 else tallies[::-1]:
-            before = group_cpu(tally.group)
+            before = group_usage(tally.group)
             replies = tally.group.command({"cmd": "pass", "steps": args.steps, "compute_ms": compute}, timeout)
-            after = group_cpu(tally.group)
-            tally.add_pass(replies, compute, (after[0] - before[0], after[1] - before[1]))
+            tally.add_pass(replies, compute, [a - b for a, b in zip(group_usage(tally.group), before)])
     records = [tally.record(bounds, pushed, args) for tally in tallies]
     for record in records:
         record["copy_GBps"] = [1e-9 / b["copy_s_per_byte"] for b in bandwidths]
@@ -417,10 +421,12 @@ def add_vs_one_server(records: list[dict[str, Any]]) -> None:
 def format_rows(records: list[dict[str, Any]]) -> str:
     """The results table."""
     headers = ["workers", "servers", "host reduce", "placement", "overhead ms/step", "bound ms/step", "ratio",
-               "vs fewest servers", "busiest server", "CPU ms/step: workers", "servers"]
+               "vs fewest servers", "busiest server", "CPU ms/step: workers", "servers", "wake-ups/step: workers",
+               "servers"]
     rows = [[str(r["workers"]), str(r["servers"]), r["host_reduce"], r["placement"], f"{r['overhead_ms']:.1f}",
              f"{r['bound_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['vs_fewest_servers']:.2f}",
-             f"{r['busiest_server_share']:.0%}", f"{r['worker_cpu_ms']:.0f}", f"{r['server_cpu_ms']:.0f}"]
+             f"{r['busiest_server_share']:.0%}", f"{r['worker_cpu_ms']:.0f}", f"{r['server_cpu_ms']:.0f}",
+             f"{r['worker_wakeups']:.0f}", f"{r['server_wakeups']:.0f}"]
             for r in records]
     return format_table(headers, rows)
 

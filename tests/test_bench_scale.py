@@ -5,9 +5,11 @@ and docs/performance.md state, and one tiny run goes end to end (2 workers, 2 se
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,13 @@ def test_server_loads_follow_the_workers_placement():
     assert max(hashed) / total > 0.5 and max(planned) / total < 0.26  # the names' hash, and the plan
 
 
+def test_wakeups_count_a_process_sleeping_and_woken():
+    before = bench_scale.process_wakeups(os.getpid())
+    time.sleep(0.01)  # a sleep is a voluntary context switch
+    assert bench_scale.process_wakeups(os.getpid()) > before
+    assert bench_scale.process_wakeups(2**22 + 12345) == 0  # no such process: nothing, no error
+
+
 @pytest.mark.parametrize("argv,error", [
     (["--host-reduce", "auto"], "--host-reduce takes off and on"),
     (["--workers", "1,2"], "--workers needs counts of at least 2"),
@@ -124,3 +133,4 @@ def test_a_tiny_run_prints_its_table_and_json(tmp_path):
     assert (record["workers"], record["servers"], record["host_reduce"], record["placement"]) == (2, 2, "off", "plan")
     # 8 tensors of 512 KiB planned over 2 servers: 4 each (the names' hash put 5 on one)
     assert record["overhead_ms"] > 0 and record["bound_ms"] > 0 and record["busiest_server_share"] == 0.5
+    assert record["server_cpu_ms"] > 0 and record["server_wakeups"] > 0 and record["worker_wakeups"] > 0
