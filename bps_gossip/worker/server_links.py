@@ -26,7 +26,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import threading
 import time
 from typing import Any, Callable
@@ -36,7 +35,7 @@ import zmq
 
 from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
-from ..errors import CommTimeoutError, PeerLostError, error_for
+from ..errors import PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..transport import endpoint_host, send_message
@@ -44,12 +43,12 @@ from ..transport.receive import DropLog, drain, readable
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
 from .host_link import HostLink, Way
+from .link_failures import LEADER, LinkFailures
 from .operation import Operation
 from .scheduler_link import Book
 from .server_choice import server_of
 from .trace import Tracer, now_us
 
-LEADER = -1  # the target of a local's pushes: its host leader, not a server
 PUSH = Push.header()["op"]
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
@@ -60,7 +59,7 @@ def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
             and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
-class ServerLinks:
+class ServerLinks(LinkFailures):
     """Every connection to a server and the partitions in flight on them (module docstring)."""
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
@@ -224,12 +223,6 @@ class ServerLinks:
         """Whether replies may wait that the engine must read (see push_now)."""
         return self._look
 
-    def op_timeout(self) -> float:
-        """How long an operation may wait for a server that says nothing at all. Servers
-        report rounds that stay incomplete after BPS_GOSSIP_TIMEOUT with the missing ranks;
-        this backstop only fires when a server itself does not answer."""
-        return self.config.timeout + 2 * self.config.heartbeat_interval + 1.0
-
     def dispatch(self) -> bool:
         """Send partitions in priority order while credit lasts; True if some are still ready.
 
@@ -392,69 +385,3 @@ class ServerLinks:
         if all(r is not None for r in replies):
             del self._stats[msg.req]
             complete(future, replies)
-
-    # -- failures -------------------------------------------------------------------
-    def fail_op(self, op: Operation, error: BaseException) -> None:
-        """Fail one operation; its shared-memory segment is never reused (a late write)."""
-        op.failed = True
-        self.pending.discard(op)
-        if op.host_rounds and self.hosts.rounds is not None:
-            self.hosts.rounds.op_failed(op, error)
-        if op.leased:
-            self.segments.revoke(op.segment)
-        elif op.segment is not None:
-            self.segments.release(op.name, op.segment, reusable=False)
-        op.segment = None
-        for req in op.reqs:
-            self._reqs.pop(req, None)
-        op.reqs.clear()
-        fail(op.handle, error)
-
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every operation in flight or queued, and every stats request."""
-        for op in list(self.pending):
-            self.fail_op(op, error)
-        self._heap.clear()
-        self._unacked.clear()
-        self._reqs.clear()
-        self.fail_stats(error)
-
-    def fail_stats(self, error: BaseException) -> None:
-        """Fail the stats requests not yet answered."""
-        for future, _ in self._stats.values():
-            fail(future, error)
-        self._stats.clear()
-
-    def server_gone(self, index: int, why: str) -> None:
-        """Server ``index`` was lost or left: fail what needs it, send it nothing more."""
-        self._lost[index] = why
-        for req, server in list(self._unacked.items()):
-            if server == index:
-                del self._unacked[req]
-        nservers = len(self.sockets)
-        for op in list(self.pending):
-            if index in op.servers(nservers):
-                self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {why}"))
-
-    def worker_gone(self, rank: int, lost: bool, why: str) -> None:
-        """A worker was lost or left: what waits on it through this host fails."""
-        self.hosts.worker_gone(rank, lost, why)
-
-    def check_deadlines(self, now: float) -> None:
-        """Fail operations whose servers (or host leader) said nothing for too long."""
-        self.hosts.expire(now)
-        limit = self.op_timeout()
-        for op in list(self.pending):
-            if now <= op.deadline:
-                continue
-            servers = sorted({self._reqs[r][2] for r in op.reqs if r in self._reqs})
-            # A server that keeps answering is busy (a backlog of partitions), not gone:
-            # wait while the servers this op waits on (any, if it is still queued) speak.
-            watched = servers or range(len(self.sockets))
-            if any(now - self._heard.get(s, -math.inf) < limit for s in watched):
-                continue
-            addrs = [self.addresses[s] if s != LEADER else f"host leader rank {self.hosts.leader}" for s in servers]
-            waiting = f"servers {servers} ({', '.join(addrs)})" if servers else "its turn to be sent"
-            self.fail_op(op, CommTimeoutError(
-                f"push_pull {op.name!r} on rank {self.rank}: no answer from {waiting} "
-                f"within {limit:.1f} s (BPS_GOSSIP_TIMEOUT={self.config.timeout})"))
