@@ -268,7 +268,10 @@ class AutoPolicy:
                                       f"{window.seconds_per_step * 1000:.1f} ms")
         missing = [mode for mode in MODES if mode not in self.cost]
         if missing:
-            return Decision(missing[0], f"measuring {missing[0]} (not measured yet)", probe=self.short(missing[0]))
+            bound = f"; from the links at least {estimate * 1000:.1f} ms, gossip's " \
+                    f"{window.seconds_per_step * 1000:.1f} ms" if estimate > 0 and window.mode == "gossip" else ""
+            return Decision(missing[0], f"measuring {missing[0]} (not measured yet{bound})",
+                            probe=self.short(missing[0]))
         best = self._best()
         other = MODES[1 - MODES.index(best)]
         if window.mode == best:
