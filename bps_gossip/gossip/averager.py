@@ -131,18 +131,19 @@ class GossipAverager:
         return self.debiased()
 
     def apply_update(self, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> None:
-        """The local optimizer moved z from ``before`` to ``after``: move x so that z = x / w moves
-        by that step (x <- x + w * step, as SGP's reference code re-biases after the step), and
-        the average over ranks by the mean of the ranks' steps weighted by w, never more than
-        the largest. Unscaled, z would move by step / w: a rank whose in-peers' messages are
-        deferred (routing around slow ranks) holds a small w until they arrive (w fell to 1/64
-        at 16 workers on this 2-core machine, and those ranks diverged). With ``overlap`` every
-        update finds the open round's share in flight (w about the kept share on every rank):
-        the step stays unscaled there, so that the average moves by the mean step."""
-        scale = 1.0 if self.overlap or self.weight == 1.0 else self.weight
+        """The local optimizer moved z from ``before`` to ``after``: move x by the same amount
+        (SGP: x <- x - lr * grad(z); the sum of x over ranks takes every rank's whole step, so the
+        exact average is SGD's on the mean gradient), but at w < 1/2 by 2w times it, so that
+        z = x / w moves by at most twice the step. A rank whose in-peers' messages are on their
+        way holds a small w until they arrive (1/64 at 16 workers routed around slow ranks on
+        this 2-core machine): the whole step moved its z by 64 steps, and such ranks diverged.
+        Its steps then count less in the average over ranks (SGP's reference code re-biases by
+        w after every step: all of them do). Banking the rest for later diverged too: the
+        gradient at z keeps pointing the same way while the bank grows."""
+        scale = min(1.0, 2.0 * self.weight)
         for key, value in self.x.items():
             step = np.asarray(after[key]).reshape(-1) - np.asarray(before[key]).reshape(-1)
-            if scale != 1.0:
+            if scale < 1.0:
                 step = step * value.dtype.type(scale)
             value += step
 
