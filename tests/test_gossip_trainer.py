@@ -117,6 +117,71 @@ def test_large_parameters_are_mixed_in_their_own_memory(cluster):
     assert [step[3] for step in first] == pytest.approx([-0.1 * (s + 1) for s in range(4)], abs=1e-6)  # bias from 0
 
 
+def overlapped_numerator_form(steps, starts, moves):
+    """The parameters of each rank after each step of 2 ranks gossiping with overlap in the
+    numerator form (the reference: GossipAverager without hold_model), every local step moving
+    rank r's parameters by ``moves[r]`` (a number per key), from ``starts`` moved once (the first
+    step's update comes before the averager)."""
+    from fakes import FakeNetwork
+
+    from bps_gossip.gossip.averager import GossipAverager
+
+    net = FakeNetwork(2, hold=True)
+    ranks = [GossipAverager({key: np.array([starts[key] + move], dtype=np.float32) for key, move in moves[r].items()},
+                            overlap=True, tag="ref", link=net.link(r)) for r in range(2)]
+    out = [[], []]
+    for step in range(steps):
+        for r, avg in enumerate(ranks):
+            if step:
+                before = {key: value.copy() for key, value in avg.model().items()}
+                avg.apply_update(before, {key: before[key] + np.float32(moves[r][key]) for key in before})
+            avg.step()
+            out[r].append({key: float(value[0]) for key, value in avg.model().items()})
+        net.deliver()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_rounds_mix_the_model_in_its_own_memory(cluster):
+    """overlap=True: the averager holds z in the parameters' own memory (hold_model, x = w * z)
+    and every device copy follows; each step's weights are the numerator form's (computed here in
+    one process), to float32 rounding."""
+    job = cluster(2)
+    done = job.run_workers("""
+        import mxnet as mx, numpy as np, mxnet_plugin as bps
+        bps.init()
+        rank = bps.rank()
+        devices = [mx.cpu(0), mx.cpu(1)]
+        net = mx.gluon.nn.Dense(22000, in_units=3)
+        net.initialize(mx.init.Constant(0.5), ctx=devices)
+        trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, overlap=True)
+        x = mx.nd.full((1, 3), rank + 1.0)
+        seen = []
+        for step in range(6):
+            with mx.autograd.record():
+                losses = [net(x.as_in_context(d)).sum() for d in devices]
+            mx.autograd.backward(losses)
+            trainer.step(1)
+            weights = [w.asnumpy() for w in net.weight.list_data()]
+            biases = [b.asnumpy() for b in net.bias.list_data()]
+            assert all(np.array_equal(w, weights[0]) for w in weights), "device copies differ"
+            assert all(np.array_equal(b, biases[0]) for b in biases), "device copies differ"
+            seen.append([float(weights[0].min()), float(weights[0].max()), float(biases[0][0])])
+        gossip = trainer._mode.gossip
+        assert gossip.direct and gossip.averager.holds_z and [k for k, _ in gossip.large] == ["1"]
+        assert gossip.averager.x["1"].base is not None  # a view of the parameter, not a copy
+        report(seen)
+        bps.shutdown()
+    """)
+    assert_all_ok(done, job)
+    # local SGD moves rank r's weight by 0.1 * (r + 1) a step and its bias by 0.1 (from 0.5 and 0)
+    expected = overlapped_numerator_form(6, {"w": 0.5, "b": 0.0}, [{"w": -0.1 * (r + 1), "b": -0.1} for r in range(2)])
+    for f, want in zip(done, expected):
+        assert [step[0] for step in f.result] == pytest.approx([w["w"] for w in want], abs=1e-5)
+        assert all(step[0] == step[1] for step in f.result)
+        assert [step[2] for step in f.result] == pytest.approx([w["b"] for w in want], abs=1e-5)
+
+
 @pytest.mark.timeout(120)
 def test_gossip_trainer_bad_arguments(cluster):
     job = cluster(1, start_servers=False)

@@ -13,6 +13,11 @@ Messages and the exact collectives go through a :class:`~.link.Link` passed as `
 With ``route_slow_links`` (push-sum, three workers or more) the ranks measure how late each
 peer's messages come and route around a slow one together (:mod:`.routing`): its edges are
 thinned and nobody waits for them; their messages are absorbed when they arrive.
+
+With ``hold_model`` (push-sum with overlap) the averager holds z itself, not x: x = w * z
+with w a number, so z can be the model's own memory (:meth:`use_buffers`) while rounds are
+open. A share s leaves as s * w * z and the kept share is w <- kept * w (no pass over z); the
+caller's step (z moved since the last round) and the received shares go in with one pass.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .gossipers import PendingRound, PushPull, PushSum
+from .gossipers import PendingRound, PushPull, PushSum, mix_model, move_model
 from .graphs import Graph, make_graph, symmetric_mixing_is_doubly_stochastic
 from .link import Link, default_link
 from .routing import MAX_OWED, SlowLinkRouting
@@ -41,7 +46,8 @@ class GossipAverager:
 
     def __init__(self, buffers: Mapping[str, np.ndarray], graph: str | Graph = "npdde", peers_per_itr: int = 1,
                  push_sum: bool = True, overlap: bool = False, synch_freq: int = 0, tag: str = "gossip",
-                 mixing: object = None, link: Link | None = None, route_slow_links: bool = True) -> None:
+                 mixing: object = None, link: Link | None = None, route_slow_links: bool = True,
+                 hold_model: bool = False) -> None:
         self._start(buffers, link, tag)
         self.graph = self.check_arguments(self.size, graph, peers_per_itr, push_sum, overlap, synch_freq,
                                           route_slow_links)
@@ -52,6 +58,11 @@ class GossipAverager:
         self.gossiper = PushSum(self.graph, self.link, tag, mixing, track) if push_sum else PushPull(self.graph, self.link, tag)
         if route_slow_links and push_sum and self.size >= 3:
             self.routing = SlowLinkRouting(self.size, self.rank)
+        if hold_model:
+            if not self.holds_model_for(push_sum, overlap):
+                raise ValueError("gossip: hold_model=True needs push_sum=True and overlap=True")
+            self.holds_z = True
+            self.last = {key: value.copy() for key, value in self.x.items()}
 
     def _start(self, buffers: Mapping[str, np.ndarray], link: Link | None, tag: str) -> None:
         """The state every averager starts with: the link, copies of the buffers as x (floating
@@ -70,6 +81,9 @@ class GossipAverager:
         self.routing: SlowLinkRouting | None = None
         self.borrowed = False  # x is the caller's memory (use_buffers)
         self.took_x = False  # routing took x back from the caller's memory (weights travel meanwhile)
+        self.holds_z = False  # x holds z, the numerators being weight * z (hold_model)
+        self.last: dict[str, np.ndarray] = {}  # with holds_z: z as the last pass left it (steps are from it)
+        self.settled = False  # with holds_z: z is last (a pass since the caller could move z)
 
     @property
     def owns_x(self) -> bool:
@@ -84,11 +98,17 @@ class GossipAverager:
         (:meth:`use_buffers`)."""
         return not overlap and (graph.is_regular or not push_sum)
 
+    @staticmethod
+    def holds_model_for(push_sum: bool, overlap: bool) -> bool:
+        """Whether ``hold_model`` applies: push-sum with rounds left open (the weights travel)."""
+        return push_sum and overlap
+
     def use_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
         """From now on x is ``buffers`` themselves, not a copy (the same keys, sizes and dtypes,
         one-dimensional): the model's own memory, mixed in place. Only where
-        :meth:`model_is_x` holds, since z = x / w is then x."""
-        if self.weight != 1.0 or self.open or self.owns_x or list(buffers) != list(self.x):
+        :meth:`model_is_x` holds, since z = x / w is then x, or with ``hold_model`` (at any
+        time: x is z; what the buffers hold now counts as the caller's step since the last round)."""
+        if list(buffers) != list(self.x) or (not self.holds_z and (self.weight != 1.0 or self.open or self.owns_x)):
             raise ValueError("gossip: x can be the model's memory only while w is 1 and no round is open, "
                              "with the same keys")
         for key, value in buffers.items():
@@ -119,13 +139,21 @@ class GossipAverager:
     # -- the model ----------------------------------------------------------------
     def debiased(self) -> dict[str, np.ndarray]:
         """z = x / w, as new arrays."""
-        if self.weight == 1.0:
+        if self.holds_z:
+            self.settled = False
+            self._settle()
+        if self.weight == 1.0 or self.holds_z:
             return {key: value.copy() for key, value in self.x.items()}
         return {key: value / value.dtype.type(self.weight) for key, value in self.x.items()}
 
     def model(self) -> dict[str, np.ndarray]:
         """z = x / w; x itself (no copy) when w is 1 and no round is open, so a caller that
-        writes it out and does not change it may hand it back as ``before`` for free."""
+        writes it out and does not change it may hand it back as ``before`` for free. With
+        ``hold_model``: x itself, always (the caller's step since the last round taken in)."""
+        if self.holds_z:
+            self.settled = False
+            self._settle()
+            return self.x
         if self.weight == 1.0 and not self.open and not self.owed:
             return self.x
         return self.debiased()
@@ -139,7 +167,18 @@ class GossipAverager:
         this 2-core machine): the whole step moved its z by 64 steps, and such ranks diverged.
         Its steps then count less in the average over ranks (SGP's reference code re-biases by
         w after every step: all of them do). Banking the rest for later diverged too: the
-        gradient at z keeps pointing the same way while the bank grows."""
+        gradient at z keeps pointing the same way while the bank grows.
+
+        With ``hold_model`` the step is z's move since the last round (``before`` is not read):
+        ``after`` is copied into z where it is not z's memory, and the next pass over z takes
+        the step by the same rule (z moves by min(1, 2w) / w times it)."""
+        if self.holds_z:
+            self.settled = False
+            for key, value in self.x.items():
+                new = np.asarray(after[key]).reshape(-1)
+                if not np.shares_memory(new, value):
+                    np.copyto(value, new)
+            return
         scale = min(1.0, 2.0 * self.weight)
         for key, value in self.x.items():
             step = np.asarray(after[key]).reshape(-1) - np.asarray(before[key]).reshape(-1)
@@ -150,6 +189,7 @@ class GossipAverager:
     # -- gossip -------------------------------------------------------------------
     def step(self) -> None:
         """Run (or, with overlap, start) one gossip round."""
+        self.settled = False  # (hold_model) the caller's step since the last round is in z
         if self.size == 1:
             self.rnd += 1
             return
@@ -180,8 +220,12 @@ class GossipAverager:
         # Absorbed at once (no overlap): the kept share is taken with the additions, one pass
         # over x; an open round must take it now, before x changes.
         with self._span(tracer, "SEND"):
+            if self.holds_z:
+                self._settle()  # the step, where no absorb took it: z must be whole before it leaves
+                peers["holds_model"] = True  # (push-sum only)
             pending, self.weight = self.gossiper.begin(self.rnd, self.x, self.weight,
                                                        defer_scaling=not self.overlap, **peers)
+            peers.pop("holds_model", None)
         if peers:
             self.owed.extend(PendingRound(self.rnd, self.link.expect(self.tag, self.rnd, [src]), [src],
                                           started=pending.started) for src in deferred)
@@ -216,7 +260,8 @@ class GossipAverager:
         if slow:
             self.routing.slow = dict(slow)
             self.routing.history.append((0, dict(slow)))
-            self._take_x()
+            if not self.holds_z:  # (with it the weights travel and x is z already)
+                self._take_x()
 
     def _take_x(self) -> None:
         """Routing began: push-sum's weights travel from now on (every rank switches at the same
@@ -253,9 +298,39 @@ class GossipAverager:
             self.owed.remove(pending)
             self._absorb(pending, tracer)
 
+    def _settle(self) -> None:
+        """With ``hold_model``: take the caller's step since the last pass into z (z moves by
+        min(1, 2w) / w times it: x moves by min(1, 2w) times it, as :meth:`apply_update` says);
+        at w = 1 only ``last`` follows z (a copy). Nothing once a pass since the caller's
+        last chance to move z made ``last`` z."""
+        if self.settled:
+            return
+        factor = min(1.0, 2.0 * self.weight) / self.weight
+        for key, value in self.x.items():
+            move_model(value, self.last[key], factor)
+        self.settled = True
+
+    def _absorb_model(self, pending: PendingRound) -> None:
+        """Absorb a round into z (``hold_model``): the caller's step since ``last`` and the
+        received shares in one pass (see :func:`.gossipers.mix_model`)."""
+        received, addends, got = self.gossiper.collect(pending, self.x, self.link.timeout())
+        weight = self.weight
+        total = weight + got
+        if not np.isfinite(total) or total <= 0.0:
+            raise ValueError(f"gossip {self.tag!r} round {pending.rnd}: push-sum weight {total!r} after the round")
+        for key, value in self.x.items():
+            mix_model(value, self.last[key], None if self.settled else min(1.0, 2.0 * weight), weight,
+                      addends[key], total)
+        self.weight, self.settled = total, True
+        if received:
+            self.link.consumed(received)
+
     def _absorb(self, pending: PendingRound, tracer: Any = None) -> None:
         with self._span(tracer, "MIX"):
-            self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
+            if self.holds_z:
+                self._absorb_model(pending)
+            else:
+                self.weight = self.gossiper.absorb(pending, self.x, self.weight, self.link.timeout())
         if self.routing is not None and pending.rnd > 0:  # round 0 also opens the connections
             for src, delay in pending.delays.items():
                 self.routing.record(src, delay, pending.transits.get(src))
@@ -264,6 +339,7 @@ class GossipAverager:
     def flush(self) -> None:
         """Absorb every open round, and the deferred messages that arrived (before evaluating,
         saving or stopping)."""
+        self.settled = False
         while self.open:
             self._absorb(self.open.popleft())
         # A slow rank waits for what is on its way to it: nobody waits for it, and its model is
@@ -285,11 +361,17 @@ class GossipAverager:
         if self.size == 1:
             return 0.0 if measure else None
         before = self.debiased() if measure else {}
+        if self.holds_z:
+            self._settle()
         total_weight = self.link.push_pull(np.array([self.weight]), f"{self.tag}.average.weight", average=False)[0]
         for key, value in self.x.items():
+            if self.holds_z and self.weight != 1.0:  # the numerators
+                value *= value.dtype.type(self.weight)
             self.link.push_pull(value, f"{self.tag}.average.{key}", average=False, out=value)
             value /= value.dtype.type(total_weight)
-        self.weight = 1.0
+            if self.holds_z:
+                np.copyto(self.last[key], value)
+        self.weight, self.settled = 1.0, self.holds_z
         if not measure:
             return None
         squares = sum(float(np.sum(np.square(z - self.x[key], dtype=np.float64))) for key, z in before.items())

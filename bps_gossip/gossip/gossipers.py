@@ -83,6 +83,45 @@ def scale_and_add(x: np.ndarray, scale: float, addends: list[np.ndarray]) -> Non
             part += addend[start:start + CHUNK]
 
 
+def mix_model(z: np.ndarray, last: np.ndarray, step_scale: float | None, weight: float, addends: list[np.ndarray],
+              total: float) -> None:
+    """The model form of push-sum's mix (x = weight * z, z the model's own memory): z <- (x +
+    sum(addends)) / total, where x = weight * last + step_scale * (z - last) when the caller
+    moved z from ``last`` since (``step_scale`` None: x = weight * z); ``last`` becomes the new
+    z. Chunk by chunk: one pass over memory."""
+    dtype = z.dtype.type
+    inverse, kept = dtype(1.0 / total), dtype(weight)
+    moved = None if step_scale is None else dtype(step_scale)
+    scratch = np.empty(min(CHUNK, z.size), dtype=z.dtype)
+    for start in range(0, z.size, CHUNK):
+        part, before = z[start:start + CHUNK], last[start:start + CHUNK]
+        if moved is None:
+            part *= kept
+        else:  # the step (z - last) counts moved times, the rest weight times
+            part -= before
+            part *= moved
+            held = scratch[:part.size]
+            np.multiply(before, kept, out=held)
+            part += held
+        for addend in addends:
+            part += addend[start:start + CHUNK]
+        part *= inverse
+        before[...] = part
+
+
+def move_model(z: np.ndarray, last: np.ndarray, factor: float) -> None:
+    """z <- last + factor * (z - last), and last <- z: the caller's step since ``last`` taken
+    ``factor`` times (exactly z when it did not move), chunk by chunk."""
+    scale = z.dtype.type(factor)
+    for start in range(0, z.size, CHUNK):
+        part, before = z[start:start + CHUNK], last[start:start + CHUNK]
+        if factor != 1.0:
+            part -= before
+            part *= scale
+            part += before
+        before[...] = part
+
+
 class PushSum:
     """Push-sum over a directed (possibly irregular) graph; see the module docstring."""
 
@@ -95,10 +134,12 @@ class PushSum:
 
     def begin(self, rnd: int, x: Mapping[str, np.ndarray], weight: float, defer_scaling: bool = False,
               out_peers: Sequence[int] | None = None, sources: Sequence[int] | None = None,
-              heavy: Mapping[int, float] | None = None) -> tuple[PendingRound, float]:
+              heavy: Mapping[int, float] | None = None, holds_model: bool = False) -> tuple[PendingRound, float]:
         """Send this round's shares and keep ours: scales ``x`` in place (or, with
         ``defer_scaling``, leaves that to :meth:`absorb`, which must come before x changes);
-        returns the kept weight. ``out_peers`` and ``sources`` (the in-peers to wait for)
+        returns the kept weight. With ``holds_model`` ``x`` is the model z (the numerators
+        are weight * z): the shares sent are share * weight * z, and x is left as it is (the
+        kept share is in the returned weight alone). ``out_peers`` and ``sources`` (the in-peers to wait for)
         default to the graph's for the round; ``heavy`` (out-peer -> factor) multiplies those
         out-peers' shares before the weights are normalized again (still column-stochastic)."""
         rank = self.link.rank
@@ -111,19 +152,22 @@ class PushSum:
             total = kept + sum(shares.values())
             kept, shares = kept / total, {peer: share / total for peer, share in shares.items()}
         keys = list(x)
+        if holds_model and not self.track_weight:
+            raise ValueError("gossip: the model form of push-sum needs the weights to travel")
         cache: dict[float, list[np.ndarray]] = {}
         for peer, share in shares.items():
             header = _wire({"tag": self.tag, "round": rnd, "weight": share * weight if self.track_weight else None},
                            keys)
+            factor = share * weight if holds_model else share
             if self.link.is_local(peer):  # the share is written straight into shared memory
-                self.link.send_scaled(peer, header, [x[k] for k in keys], share)
+                self.link.send_scaled(peer, header, [x[k] for k in keys], factor)
                 continue
-            arrays = cache.get(share)
+            arrays = cache.get(factor)
             if arrays is None:  # uniform mixing: one scaled copy serves every peer
-                arrays = cache[share] = [x[k] * x[k].dtype.type(share) for k in keys]
+                arrays = cache[factor] = [x[k] * x[k].dtype.type(factor) for k in keys]
             self.link.send(peer, header, arrays)
-        pending = PendingRound(rnd, future, sources, kept if defer_scaling else None)
-        if not defer_scaling:
+        pending = PendingRound(rnd, future, sources, kept if defer_scaling and not holds_model else None)
+        if not defer_scaling and not holds_model:
             for key in keys:
                 x[key] *= x[key].dtype.type(kept)
         # Untracked (regular graph, closed at once): kept + received weights sum to 1 exactly.
@@ -133,16 +177,8 @@ class PushSum:
                timeout: float | None = None) -> float:
         """Wait for the round's messages and add them to ``x`` (scaling x first if begin left
         that here); returns the new weight."""
-        received = pending.wait(self.tag, timeout) if pending.future is not None else {}
-        addends: dict[str, list[np.ndarray]] = {key: [] for key in x}
-        for src in pending.sources:
-            header, arrays = received[src]
-            for key, array in zip_exact(header["keys"], arrays):
-                addends[key].append(array)
-            if self.track_weight:
-                if header.get("weight") is None:
-                    raise ValueError(f"gossip {self.tag!r} round {pending.rnd}: rank {src} sent no push-sum weight")
-                weight += float(header["weight"])
+        received, addends, got = self.collect(pending, x, timeout)
+        weight += got
         for key, value in x.items():
             if pending.kept is not None:
                 scale_and_add(value, pending.kept, addends[key])
@@ -152,6 +188,24 @@ class PushSum:
         if received:
             self.link.consumed(received)
         return weight
+
+    def collect(self, pending: PendingRound, keys: Mapping[str, Any], timeout: float | None = None
+                ) -> tuple[dict[int, Any], dict[str, list[np.ndarray]], float]:
+        """Wait for the round's messages: (what expect() gave, the received arrays by key, the
+        sum of the received weights, 0 when they do not travel). Hand the first to the link's
+        ``consumed`` once the arrays are read."""
+        received = pending.wait(self.tag, timeout) if pending.future is not None else {}
+        addends: dict[str, list[np.ndarray]] = {key: [] for key in keys}
+        weight = 0.0
+        for src in pending.sources:
+            header, arrays = received[src]
+            for key, array in zip_exact(header["keys"], arrays):
+                addends[key].append(array)
+            if self.track_weight:
+                if header.get("weight") is None:
+                    raise ValueError(f"gossip {self.tag!r} round {pending.rnd}: rank {src} sent no push-sum weight")
+                weight += float(header["weight"])
+        return received, addends, weight
 
 
 class PushPull:

@@ -99,10 +99,13 @@ class ParameterGossip:
 
     def _mixes_in_place(self) -> bool:
         """Whether the averager's x can be the parameters' own memory (no copies in or out):
-        uncompressed and flat, w always 1 and no round left open, few enough arrays for one message."""
+        uncompressed and flat, few enough arrays for one message, and either w always 1 with no
+        round left open (x = z) or rounds left open with the averager in the model form (it
+        holds z, x = w * z: ``hold_model``)."""
         args = self.averager_args
         return (self.compression is None and self.groups is None and 0 < len(self._gossiped()) <= MAX_ARRAYS
-                and GossipAverager.model_is_x(args["graph"], args["push_sum"], args["overlap"]))
+                and (GossipAverager.model_is_x(args["graph"], args["push_sum"], args["overlap"])
+                     or GossipAverager.holds_model_for(args["push_sum"], args["overlap"])))
 
     def _mix_in_place(self) -> None:
         """One round with x = the large parameters' own memory and flat copies of the small ones
@@ -263,7 +266,9 @@ class ParameterGossip:
             log.info("gossip by host: %d hosts of %d workers, exact within a host, one message per host pair "
                      "(BPS_GOSSIP_HOST_REDUCE=off: flat)", len(self.groups), len(self.groups[0]))
             return HostAverager(buffers, self.groups, tag=self.tag, **args)
-        averager = GossipAverager(buffers, tag=self.tag, **self.averager_args)
+        hold = self.direct and GossipAverager.holds_model_for(self.averager_args["push_sum"],
+                                                              self.averager_args["overlap"])
+        averager = GossipAverager(buffers, tag=self.tag, hold_model=hold, **self.averager_args)
         if self.slow_ranks and start_equal:
             averager.route_around(self.slow_ranks)
         return averager
@@ -285,7 +290,7 @@ class ParameterGossip:
     def _packed_averager(self) -> GossipAverager:
         """The averager, or, where it mixes the parameters in place, one on flat copies of them:
         the exact collectives then take one push_pull per dtype, not one per parameter."""
-        if self.direct and not (self.averager is not None and self.averager.owns_x):
+        if self.direct and not (self.averager is not None and (self.averager.owns_x or self.averager.holds_z)):
             return self._new_averager(self.pack())
         if self.averager is None:
             self.averager = self._new_averager(self.pack())
