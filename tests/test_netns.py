@@ -172,10 +172,13 @@ def test_auto_mode_does_not_measure_allreduce_across_a_slow_link() -> None:
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
     assert len(results) == 3 and all(r["history"] == results[0]["history"] for r in results), done.stdout
     history = results[0]["history"]
-    assert [mode for _, mode, _ in history] == ["gossip"] * 4, history  # allreduce never ran (windows: 6, 6, 6, 12)
-    assert history[1][2].startswith("measuring gossip again"), history  # routing began in the first window
-    assert history[2][2].startswith("allreduce not measured"), history
-    assert "(estimated)" in history[3][2], history
+    # allreduce never ran: the first window warms up, then the slow link's lateness tells that an
+    # allreduce step would wait for it, and later windows compare with that estimate
+    assert len(history) >= 3 and all(mode == "gossip" for _, mode, _ in history), history
+    assert history[0][2] == "the first window", history
+    reasons = [why for _, _, why in history[1:]]
+    assert reasons[0].startswith("allreduce not measured"), history
+    assert any("(estimated)" in why for why in reasons[1:]), history
     # no exact average either: its price (an allreduce step's, estimated) is more than a twentieth of 30 steps
     assert not any("exact average" in why for _, _, why in history), history
     assert "routing around slow ranks" in done.stdout + done.stderr and "rank 2's every" in done.stdout + done.stderr
