@@ -115,10 +115,7 @@ class ParameterGossip:
         comes back out (:meth:`_write_model`)."""
         if not self.layout:
             self._build_layout()
-        wait_all()  # the update has landed; nothing in MXNet's engine touches the parameters now
-        owned = self.averager is not None and self.averager.owns_x
-        x = self._copy_out(self.small_layout, None if owned or self.averager is None else self.averager.x)
-        x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
+        x = self._current()
         fresh = self.averager is None
         if fresh:  # after the first-step broadcast: every rank starts equal
             self.averager = self._new_averager(x, start_equal=True)  # its x: copies of x
@@ -136,6 +133,21 @@ class ParameterGossip:
             copies = param.list_data()
             for index, copy in enumerate(copies[1:], 1):
                 np.copyto(self.views.flat((param, index), copy), x[key])
+
+    def _current(self) -> dict[str, np.ndarray]:
+        """The parameters as they are now, keyed as the averager's x: the small ones copied (into
+        the averager's own buffers where it borrows), the large ones as views of their memory,
+        made now: MXNet may have moved or reordered it (oneDNN) since the last step."""
+        wait_all()  # the update has landed; nothing in MXNet's engine touches the parameters now
+        owned = self.averager is not None and self.averager.owns_x
+        x = self._copy_out(self.small_layout, None if owned or self.averager is None else self.averager.x)
+        x.update((key, self.views.flat((param, 0), param.list_data()[0])) for key, param in self.large)
+        return x
+
+    def _holds_model(self) -> bool:
+        """Whether the averager holds z in the parameters' own memory (``hold_model``): before
+        it reads or writes z outside a step, it must be handed that memory afresh."""
+        return self.direct and self.averager is not None and self.averager.holds_z
 
     def _write_model(self, z: dict[str, np.ndarray]) -> None:
         """Write z into every device copy of every parameter (whichever layout the averager's
@@ -284,13 +296,18 @@ class ParameterGossip:
     def flush(self) -> None:
         """Absorb every open gossip round (and deferred messages that arrived) and write z back."""
         if self.averager is not None and (self.averager.open or self.averager.owed):
+            if self._holds_model():
+                self.averager.use_buffers(self._current())
             self.averager.flush()
             self._write_model(self.averager.model())
 
     def _packed_averager(self) -> GossipAverager:
         """The averager, or, where it mixes the parameters in place, one on flat copies of them:
         the exact collectives then take one push_pull per dtype, not one per parameter."""
-        if self.direct and not (self.averager is not None and (self.averager.owns_x or self.averager.holds_z)):
+        if self._holds_model():
+            self.averager.use_buffers(self._current())
+            return self.averager
+        if self.direct and not (self.averager is not None and self.averager.owns_x):
             return self._new_averager(self.pack())
         if self.averager is None:
             self.averager = self._new_averager(self.pack())
@@ -309,4 +326,8 @@ class ParameterGossip:
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's parameters from the average over ranks."""
-        return self._packed_averager().consensus_distance()
+        averager = self._packed_averager()
+        distance = averager.consensus_distance()
+        if self._holds_model():  # z took the step since the last round: the copies follow it
+            self._write_model(averager.model())
+        return distance
