@@ -504,6 +504,13 @@ def parse_args() -> argparse.Namespace:
     args.systems = [system for system in SYSTEMS if system.name in (REFERENCE, CEILING)
                     or not wanted or any(w in system.name for w in wanted)
                     or ("main" in wanted and not system.env)]
+    cores = len(os.sched_getaffinity(0))
+    most = max(shape.workers for shape in args.shapes)
+    if cores < int(TWO_COMM_CORES["BPS_GOSSIP_COMM_CORES"]) + most:  # bpslaunch would refuse: no core left to compute
+        skipped = [system.name for system in args.systems if system.env is TWO_COMM_CORES]
+        if skipped:
+            print(f"skipped ({cores} cores for {most} workers and 2 reserved): {', '.join(skipped)}", flush=True)
+        args.systems = [system for system in args.systems if system.env is not TWO_COMM_CORES]
     return args
 
 
