@@ -243,7 +243,8 @@ def run_push_pull(name: str, round_id: str, reads: list[mx.nd.NDArray], writes: 
         future.add_done_callback(lambda f: settle(f, None, done))
 
     try:
-        push_async(work, [a for a in reads if not any(a is w for w in writes)], writes, name, priority)
+        written = {id(w) for w in writes}  # a fused bucket reads and writes its ~80 gradients: no pairwise test
+        push_async(work, [a for a in reads if id(a) not in written], writes, name, priority)
     except BaseException:
         _rounds.abandon(round_id)  # refused before it was queued: no round to wait for
         raise
