@@ -49,18 +49,26 @@ def make_default(array: mx.nd.NDArray) -> None:
 
 def holds_onednn_layout(array: mx.nd.NDArray) -> bool:
     """Whether ``array`` holds a oneDNN layout right now (never waits, never reorders)."""
-    if not array.size:
-        return False
+    return bool(array.size) and default_address(array) is None
+
+
+def default_address(array: mx.nd.NDArray) -> int | None:
+    """The address of ``array``'s memory (not empty) in the default layout, or None while it
+    holds a oneDNN layout: never waits, never reorders, so it may run inside an operator."""
     managed = ctypes.c_void_p()
     try:
         # ToDLPack needs a plain buffer: it refuses oneDNN arrays instead of converting them.
         check_call(_LIB.MXNDArrayToDLPack(array.handle, ctypes.byref(managed)))
     except mx.base.MXNetError as exc:
         if "MKLDNN" in str(exc):
-            return True
+            return None
         raise
-    check_call(_LIB.MXNDArrayCallDLPackDeleter(managed))
-    return False
+    try:
+        # DLManagedTensor starts with DLTensor: data (void *) first, byte_offset (uint64) at 40
+        fields = ctypes.cast(managed, ctypes.POINTER(ctypes.c_uint64))
+        return int(fields[0]) + int(fields[5])
+    finally:
+        check_call(_LIB.MXNDArrayCallDLPackDeleter(managed))
 
 
 def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
@@ -71,12 +79,20 @@ def raw_view(array: mx.nd.NDArray, what: str) -> np.ndarray:
     """
     if array.size == 0:
         return np.empty(array.shape, array.dtype)
-    if holds_onednn_layout(array):
+    address_in_engine(array, what)
+    return _pointer_view(array)
+
+
+def address_in_engine(array: mx.nd.NDArray, what: str) -> int:
+    """:func:`default_address` of a non-empty array inside an operator, or
+    :class:`OneDNNLayoutError` naming ``what``."""
+    address = default_address(array)
+    if address is None:
         raise OneDNNLayoutError(
             f"{what}: the array holds a oneDNN (MKLDNN) layout inside MXNet's engine, where it cannot be "
             "reordered; an inference forward made it so after this push_pull was queued. Wait for the "
             "forward (mx.nd.waitall()) before queueing, or set BPS_GOSSIP_OVERLAP_BACKWARD=0")
-    return _pointer_view(array)
+    return address
 
 
 class IdleViews:
