@@ -13,6 +13,7 @@ from .api import (
     is_initialized,
     local_rank,
     local_size,
+    plan_servers,
     rank,
     reset,
     server_stats,
@@ -47,6 +48,6 @@ __all__ = [
     "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "RanksOutOfStepError",
     "TensorMismatchError", "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check",
     "declare", "generation", "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size",
-    "poll", "push_pull", "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown",
+    "plan_servers", "poll", "push_pull", "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown",
     "size", "synchronize",
 ]

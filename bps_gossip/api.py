@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from .futures import Future, wait
 from .logs import install_interrupt_summary
 from .runtime import Runtime
 from .worker import commands as cmd
+from .worker import server_choice
 from .worker.engine import Engine
 from .worker.peer_link import PeerLink
 
@@ -165,6 +166,17 @@ def _ask(where: str, command: type, empty: Any) -> Any:
 def barrier() -> None:
     """Block until every worker has reached the barrier."""
     _ask("barrier()", cmd.Barrier, None)
+
+
+def plan_servers(tensors: Iterable[tuple[str, Any]]) -> None:
+    """Spread the partitions of these (name, array) tensors over the servers by bytes, largest
+    first onto the least-loaded server, instead of by a hash of each name (which left one of 4
+    servers half of resnet18_v1's bytes). Call it on every rank with the same tensors (in any
+    order) before their first push_pull; a tensor already pushed raises ValueError.
+    DistributedTrainer and the 'bpsgossip' KVStore plan their own steps."""
+    config = _rt("plan_servers()").config
+    sizes = [(name, int(array.size), np.dtype(array.dtype).itemsize) for name, array in tensors]
+    server_choice.plan_servers(sizes, config.partition_bytes)
 
 
 def server_stats() -> list[dict[str, Any]]:

@@ -105,3 +105,47 @@ def test_fused_steps_balance_bytes_over_servers(cluster):
         assert max(r["allreduce_load"]) - min(r["allreduce_load"]) <= 1, r
         assert r["kvstore_checked"] >= 10 and not r["kvstore_mismatch"], r
     job.wait_servers_exit()
+
+
+CORE_SNIPPET = """
+import numpy as np
+import bps_gossip
+from bps_gossip.worker.server_choice import assign, plan_of
+from bps_gossip.worker.tensors import key_of
+
+bps_gossip.init()
+rank = bps_gossip.rank()
+tensors = [(f"layer{i}", np.full(n, rank + 1.0, dtype=np.float32)) for i, n in enumerate((70000, 30000, 50000, 9000))]
+bps_gossip.plan_servers(reversed(tensors))  # any order: every rank gets the same plan
+sums = [bps_gossip.push_pull(array, name, average=False) for name, array in tensors]
+plan = assign(plan_of([(name, array.size, 4) for name, array in tensors], 65536), 3)
+want = {(key, i): server for key, servers in plan.items() for i, server in enumerate(servers)}
+got = {}
+for stats in bps_gossip.server_stats():
+    for key, parts in stats["parts"].items():
+        for part in parts:
+            got[(int(key), part)] = stats["rank"]
+try:
+    bps_gossip.plan_servers([("layer0", tensors[0][1])])  # planned before: keeps its servers
+    bps_gossip.plan_servers([("unplanned", np.zeros(4, np.float32))])
+    bps_gossip.push_pull(np.zeros(8, np.float32), "pushed_first")
+    bps_gossip.plan_servers([("pushed_first", np.zeros(8, np.float32))])
+    late = "none"
+except ValueError as exc:
+    late = str(exc)
+report({"rank": rank, "sums_ok": all(float(s[0]) == 3.0 for s in sums),
+        "mismatch": sorted(str(k) for k, v in want.items() if got.get(k) != v),
+        "differs_from_hash": sum(v != (key + i) % 3 for (key, i), v in want.items()), "late": late})
+bps_gossip.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_plan_servers_places_a_users_tensors(cluster):
+    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    done = job.run_workers(CORE_SNIPPET, timeout=50)
+    assert_all_ok(done, job)
+    for r in (f.result for f in done):
+        assert r["sums_ok"] and r["differs_from_hash"] and not r["mismatch"], r
+        assert "pushed already" in r["late"], r
+    job.wait_servers_exit()
