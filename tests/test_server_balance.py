@@ -8,17 +8,35 @@ import pytest
 from cluster import assert_all_ok
 from test_mxnet_ops import HELPERS
 
-SNIPPET = HELPERS + """
+PLAN_HELPERS = """
 import bps_gossip
+from bps_gossip.worker.server_choice import assign, plan_of
+
+PARTITION, SERVERS = 65536, 3  # BYTEPS_PARTITION_BYTES and servers of the tests' clusters
+
+def expected(tensors):
+    # every partition of the planned (name, elements, itemsize) tensors, and its planned server
+    plan = assign(plan_of(tensors, PARTITION), SERVERS)
+    return {(key, i): server for key, servers in plan.items() for i, server in enumerate(servers)}
+
+def compare(want):
+    # (partitions the servers did not sum where planned, partitions a name's hash would place elsewhere)
+    got = {}
+    for stats in bps_gossip.server_stats():
+        for key, parts in stats["parts"].items():
+            for part in parts:
+                got[(int(key), part)] = stats["rank"]
+    return (sorted(str(k) for k, v in want.items() if got.get(k) != v),
+            sum(v != (key + i) % SERVERS for (key, i), v in want.items()))
+"""
+
+SNIPPET = HELPERS + PLAN_HELPERS + """
 import mxnet_plugin as bps
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
-from bps_gossip.worker.server_choice import assign, plan_of
-from bps_gossip.worker.tensors import key_of
 
 bps.init()
 rank = bps.rank()
-PARTITION = 65536  # BYTEPS_PARTITION_BYTES below: several partitions per large gradient
 
 def build(prefix):
     net = nn.HybridSequential(prefix=prefix)
@@ -38,20 +56,6 @@ def train(net, trainer, steps=2):
         trainer.step(8)
     mx.nd.waitall()
 
-def served():
-    # (key, partition) -> server, from the servers' own counters
-    where = {}
-    for stats in bps_gossip.server_stats():
-        for key, parts in stats["parts"].items():
-            for part in parts:
-                where[(int(key), part)] = stats["rank"]
-    return where
-
-def expected(tensors):
-    # every partition of the planned tensors, and its server by the byte-balancing plan
-    plan = assign(plan_of(tensors, PARTITION), 3)
-    return {(key, i): server for key, servers in plan.items() for i, server in enumerate(servers)}
-
 def sizes(entries):
     return [(name, sum(int(p.data().size) for p in params), 4) for name, params in entries]
 
@@ -62,9 +66,7 @@ train(net, trainer)
 mode = trainer._mode
 planned = [(b.name, b.params) for b in mode.buckets] + [(f"gradient_{p.name}", [p]) for _, p in mode.alone]
 want = expected(sizes(planned))
-got = served()
-out["allreduce_mismatch"] = sorted(str(k) for k, v in want.items() if got.get(k) != v)
-out["allreduce_differs_from_hash"] = sum(v != (key + i) % 3 for (key, i), v in want.items())
+out["allreduce_mismatch"], out["allreduce_differs_from_hash"] = compare(want)
 out["allreduce_partitions"] = len(want)
 load = [0, 0, 0]
 for (key, i), server in want.items():
@@ -82,10 +84,8 @@ for indices, name, _ in fusion.buckets:
     entries.append((name if len(indices) > 1 else f"kvstore_{keys[indices[0]]}", [params2[keys[i]] for i in indices]))
 entries += [(f"kvstore_{keys[i]}", [params2[keys[i]]]) for i in fusion.alone]
 want2 = expected(sizes(entries))
-got2 = served()
 out["kvstore_checked"] = len(want2)
-out["kvstore_differs_from_hash"] = sum(v != (key + i) % 3 for (key, i), v in want2.items())
-out["kvstore_mismatch"] = sorted(str(k) for k, v in want2.items() if got2.get(k) != v)
+out["kvstore_mismatch"], out["kvstore_differs_from_hash"] = compare(want2)
 out["failures"] = failures
 report(out)
 bps.shutdown()
@@ -107,24 +107,15 @@ def test_fused_steps_balance_bytes_over_servers(cluster):
     job.wait_servers_exit()
 
 
-CORE_SNIPPET = """
+CORE_SNIPPET = PLAN_HELPERS + """
 import numpy as np
-import bps_gossip
-from bps_gossip.worker.server_choice import assign, plan_of
-from bps_gossip.worker.tensors import key_of
 
 bps_gossip.init()
 rank = bps_gossip.rank()
 tensors = [(f"layer{i}", np.full(n, rank + 1.0, dtype=np.float32)) for i, n in enumerate((70000, 30000, 50000, 9000))]
 bps_gossip.plan_servers(reversed(tensors))  # any order: every rank gets the same plan
 sums = [bps_gossip.push_pull(array, name, average=False) for name, array in tensors]
-plan = assign(plan_of([(name, array.size, 4) for name, array in tensors], 65536), 3)
-want = {(key, i): server for key, servers in plan.items() for i, server in enumerate(servers)}
-got = {}
-for stats in bps_gossip.server_stats():
-    for key, parts in stats["parts"].items():
-        for part in parts:
-            got[(int(key), part)] = stats["rank"]
+mismatch, differs = compare(expected([(name, array.size, 4) for name, array in tensors]))
 try:
     bps_gossip.plan_servers([("layer0", tensors[0][1])])  # planned before: keeps its servers
     bps_gossip.plan_servers([("unplanned", np.zeros(4, np.float32))])
@@ -134,8 +125,7 @@ try:
 except ValueError as exc:
     late = str(exc)
 report({"rank": rank, "sums_ok": all(float(s[0]) == 3.0 for s in sums),
-        "mismatch": sorted(str(k) for k, v in want.items() if got.get(k) != v),
-        "differs_from_hash": sum(v != (key + i) % 3 for (key, i), v in want.items()), "late": late})
+        "mismatch": mismatch, "differs_from_hash": differs, "late": late})
 bps_gossip.shutdown()
 """
 
