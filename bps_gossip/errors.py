@@ -7,6 +7,11 @@ which of these are recoverable.
 
 from __future__ import annotations
 
+# Why a round fails when a worker shut down before pushing to it: usually a loop that ends early on
+# one rank (an off-by-one in a data split), which users should hear about, not only "left".
+UNEVEN_STEPS = "if it finished its training loop, the ranks took different numbers of steps"
+LEFT_BEFORE_ROUND = f"left the job before pushing to this round ({UNEVEN_STEPS})"
+
 
 class BpsGossipError(RuntimeError):
     """Base class of every error raised by bps_gossip."""

@@ -9,8 +9,9 @@ reduce, Horovod's hierarchical allreduce).
 Servers and workers compute the groups from the same address book, so they always agree.
 Each worker registers its BPS_GOSSIP_HOST_REDUCE ("off" where shared memory is unusable):
 with any worker "off", nobody reduces by host; with any "on", the job does; all "auto" (the
-default), it does when some server runs on another host than a group of workers (on one
-machine the servers already sum through shared memory, and a leader would only add a hop).
+default), it does when some server runs on another host than a group of workers.
+For push_pull, a job whose workers all share one host is one group too (``one_host_job``): its
+leader's sums are the results, with no server's hop; gossip keeps to ``host_groups``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def host_groups(addrs: Sequence[str], modes: Sequence[str], servers: Sequence[st
     shared = {endpoint_host(addrs[group[0]]) for group in groups if len(group) > 1}
     return groups if any(endpoint_host(server) not in shared or len(shared) > 1 for server in servers) \
         and shared else alone
+
+
+def one_host_job(addrs: Sequence[str], modes: Sequence[str]) -> bool:
+    """Whether every worker of the job is on one host and none turned the host reduce off: its
+    leader's sums are then push_pull's results and the servers take no uncompressed push
+    (bps_gossip.worker.host_link; gossip keeps to ``host_groups``)."""
+    return len(addrs) > 1 and "off" not in modes and len({endpoint_host(addr) for addr in addrs}) == 1
 
 
 def group_of(groups: Sequence[tuple[int, ...]], rank: int) -> tuple[int, ...]:

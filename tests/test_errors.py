@@ -214,7 +214,8 @@ def test_dead_worker_fails_the_others(cluster, where):
 
 @pytest.mark.timeout(60)
 def test_dead_server_fails_the_workers(cluster):
-    job = cluster(2, 2, {"BYTEPS_PARTITION_BYTES": "4096"})
+    # Host reduce off: on one host the servers otherwise take only compressed pushes.
+    job = cluster(2, 2, {"BYTEPS_PARTITION_BYTES": "4096", "BPS_GOSSIP_HOST_REDUCE": "off"})
     victim = job.server_procs[0].pid
     done = job.run_workers(script(f'''
         bps.init()
@@ -235,6 +236,31 @@ def test_dead_server_fails_the_workers(cluster):
         check(out["first"], "PeerLostError", "server rank", f"pid {victim}", "'after-death'", within=6)
         check(out["second"], "PeerLostError", "server rank", f"pid {victim}", within=1)
     job.wait_servers_exit()
+
+
+@pytest.mark.timeout(60)
+def test_on_one_host_a_dead_server_fails_only_the_compressed_push_pulls_it_carries(cluster):
+    """One host holds the job: its leader sums push_pull, the server takes only compressed pushes."""
+    job = cluster(2, 1, {"BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    victim = job.server_procs[0].pid
+    done = job.run_workers(script(f'''
+        from bps_gossip.compression import CompressionSpec
+        bps.init()
+        rank = bps.rank()
+        onebit = CompressionSpec("onebit")
+        bps.push_pull(np.ones(64, np.float32), "warm-up", compression=onebit)
+        bps.barrier()
+        if rank == 0:
+            os.kill({victim}, 9)
+        expect_error("compressed", lambda: bps.push_pull(np.ones(64, np.float32), "after-death", compression=onebit))
+        summed = bps.push_pull(np.full(1000, rank + 1, np.float32), "summed", average=False)
+        report({{"rank": rank, "outcomes": outcomes, "summed": sorted(set(summed.tolist()))}})
+        bps.shutdown()
+    '''), timeout=40)
+    assert_all_ok(done, job)
+    for f in done:
+        check(f.result["outcomes"]["compressed"], "PeerLostError", "server rank", f"pid {victim}", within=8)
+        assert f.result["summed"] == [3.0], f.result
 
 
 @pytest.mark.timeout(60)

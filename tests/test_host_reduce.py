@@ -61,11 +61,17 @@ def test_off_pushes_from_every_worker(cluster):
 
 
 @pytest.mark.timeout(100)
-def test_one_machine_is_left_to_the_server_unless_forced(cluster):
+def test_one_machine_is_summed_by_its_leader_and_the_servers_take_nothing(cluster):
+    """One host holds the whole job: its leader's sums are the results (auto and on); off leaves
+    every push to the servers, and every way gives the same bits."""
     auto = run(cluster, {}, {}, workers=3)
-    assert not any(r["hosting"] for r in auto) and auto[0]["stats"][0]["pushes"] == [6, 6, 6]
+    assert [r["leader"] for r in auto] == [0, 0, 0] and all(r["hosting"] for r in auto)
+    assert auto[0]["stats"][0]["pushes"] == [0, 0, 0], auto[0]["stats"]
     forced = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "on"}, {}, workers=3)
-    assert [r["leader"] for r in forced] == [0, 0, 0] and forced[0]["stats"][0]["pushes"] == [6, 0, 0]
+    assert [r["leader"] for r in forced] == [0, 0, 0] and forced[0]["stats"][0]["pushes"] == [0, 0, 0]
+    off = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "off"}, {}, workers=3)
+    assert not any(r["hosting"] for r in off) and off[0]["stats"][0]["pushes"] == [6, 6, 6]
+    assert all(r["small"] == 3 for r in auto + forced + off) and len({r["digest"] for r in auto + forced + off}) == 1
 
 
 @pytest.mark.timeout(100)
@@ -82,6 +88,17 @@ def test_collectives_bit_exact_by_host(cluster, servers, env):
     two hosts of two workers reducing by host."""
     job = cluster(4, servers, {**AUTO, **SMALL_PARTS, **env})
     done = job.run_workers(COLLECTIVES, timeout=140, per_rank_env=TWO_HOSTS)
+    assert_all_ok(done, job)
+    for f in done:
+        assert f.result["checks"] > 900 and f.result["failures"] == [], (f.rank_hint, f.result["failures"])
+    job.wait_servers_exit()
+
+
+@pytest.mark.timeout(160)
+def test_collectives_bit_exact_when_one_host_holds_the_job(cluster):
+    """The same checks where the leader's sums are the results (no server takes a push)."""
+    job = cluster(3, 1, {"BPS_GOSSIP_HOST_REDUCE": "on", **SMALL_PARTS})
+    done = job.run_workers(COLLECTIVES, timeout=140)
     assert_all_ok(done, job)
     for f in done:
         assert f.result["checks"] > 900 and f.result["failures"] == [], (f.rank_hint, f.result["failures"])

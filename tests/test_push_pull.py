@@ -197,7 +197,8 @@ SHAPES = [
     pytest.param(1, 1, {"BYTEPS_FORCE_DISTRIBUTED": "1"}, id="1worker-forced-1server"),
     pytest.param(2, 1, {}, id="2workers-1server"),
     pytest.param(2, 2, {"BPS_GOSSIP_SHM": "0"}, id="2workers-2servers-zmq"),
-    pytest.param(3, 2, {}, id="3workers-2servers"),
+    pytest.param(3, 2, {}, id="3workers-2servers"),  # one host: summed by its leader, the servers take none
+    pytest.param(3, 2, {"BPS_GOSSIP_HOST_REDUCE": "off"}, id="3workers-2servers-shm-to-servers"),
     pytest.param(4, 1, {}, id="4workers-1server"),
     pytest.param(4, 2, {"BPS_GOSSIP_SHM": "0", "BYTEPS_SCHEDULING_CREDIT": "1"}, id="4workers-2servers-zmq-credit1"),
 ]
@@ -241,10 +242,12 @@ bps.shutdown()
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("shm", ["1", "0"])
-def test_large_partitions_credit_and_server_pool(cluster, shm):
+@pytest.mark.parametrize("shm,host_reduce", [("1", "off"), ("0", "auto"), ("1", "auto")],
+                         ids=["shm-servers", "tcp-servers", "shm-host-leader"])
+def test_large_partitions_credit_and_server_pool(cluster, shm, host_reduce):
     job = cluster(3, 2, {"BYTEPS_PARTITION_BYTES": "400000", "BYTEPS_SCHEDULING_CREDIT": "2",
-                         "BYTEPS_SERVER_ENGINE_THREAD": "2", "BPS_GOSSIP_SHM": shm})
+                         "BYTEPS_SERVER_ENGINE_THREAD": "2", "BPS_GOSSIP_SHM": shm,
+                         "BPS_GOSSIP_HOST_REDUCE": host_reduce})
     done = job.run_workers(BIG_PARTITIONS, timeout=60)
     assert_all_ok(done, job)
     for f in done:
@@ -254,7 +257,7 @@ def test_large_partitions_credit_and_server_pool(cluster, shm):
 
 @pytest.mark.timeout(60)
 def test_partitions_spread_over_servers(cluster):
-    job = cluster(2, 2, SMALL_PARTS)
+    job = cluster(2, 2, {**SMALL_PARTS, "BPS_GOSSIP_HOST_REDUCE": "off"})  # on one host the leader would sum them all
     done = job.run_workers('''
         import numpy as np, bps_gossip as bps
         bps.init()

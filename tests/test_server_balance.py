@@ -94,7 +94,7 @@ bps.shutdown()
 
 @pytest.mark.timeout(120)
 def test_fused_steps_balance_bytes_over_servers(cluster):
-    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
     done = job.run_workers(SNIPPET, timeout=110)
     assert_all_ok(done, job)
     for r in sorted((f.result for f in done), key=lambda r: r["rank"]):
@@ -132,7 +132,7 @@ bps_gossip.shutdown()
 
 @pytest.mark.timeout(60)
 def test_plan_servers_places_a_users_tensors(cluster):
-    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
     done = job.run_workers(CORE_SNIPPET, timeout=50)
     assert_all_ok(done, job)
     for r in (f.result for f in done):

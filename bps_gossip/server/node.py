@@ -12,7 +12,7 @@ import zmq
 
 from ..aggregation import Contribution
 from ..config import Config, load_config, warn_if_no_secret
-from ..errors import BpsGossipError, PeerLostError, ProtocolError
+from ..errors import LEFT_BEFORE_ROUND, BpsGossipError, PeerLostError, ProtocolError
 from ..liveness import raise_open_files_limit, start_ticks
 from ..logs import get_logger
 from ..protocol import (
@@ -39,11 +39,6 @@ from ..transport.sockets import SocketRole, open_socket
 from .outbox import Outbox
 from .pool import SumPool
 from .rounds import Rounds
-
-# Why a round fails when a worker shut down before pushing to it: usually a loop that ends early on
-# one rank (an off-by-one in a data split), which users should hear about, not only "left".
-LEFT_BEFORE_ROUND = ("left the job before pushing to this round (if it finished its training loop, the ranks "
-                     "took different numbers of steps)")
 
 
 class Server:

@@ -8,6 +8,8 @@ the engine thread.
 - A leader of other workers collects theirs in :class:`~bps_gossip.worker.host_reduce.HostRounds`
   and pushes one sum per partition, marked ``hosted``.
 - A worker alone on its host pushes ``hosted`` too (the servers count hosts, not workers).
+- Where one host holds the whole job (``whole_job``), the leader's sums are the results: no
+  server hears of them.
 
 Compressed partitions are not reduced by host: every worker pushes them itself, as without.
 Pushes that reach a leader before its address book of their generation are held (bounded).
@@ -22,8 +24,8 @@ from typing import Any, Callable
 import zmq
 
 from ..config import Config
-from ..errors import BpsGossipError, PeerLostError, ProtocolError
-from ..host_groups import group_of, host_groups
+from ..errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
+from ..host_groups import group_of, host_groups, one_host_job
 from ..protocol import Error, Push, send
 from ..transport.sockets import SocketRole, open_socket
 from .host_reduce import HostRounds, host_route
@@ -53,6 +55,7 @@ class HostLink:
         self.pending = pending  # the server links' operations in flight (the same set, never replaced)
         self.push, self.fail, self.poison = push, fail, poison
         self.hosting = False  # the job reduces by host
+        self.whole_job = False  # ... and this host holds every worker: its leader's sums are the results
         self.leader = -1  # this worker's host leader
         self.rank = -1
         self.generation = 0
@@ -71,10 +74,11 @@ class HostLink:
         old, self.sock = self.sock, None
         if old is not None:
             old.close(linger=0)
-        groups = host_groups([w["addr"] for w in book.workers], [w.get("host_reduce", "off") for w in book.workers],
-                             book.servers)
+        addrs, modes = [w["addr"] for w in book.workers], [w.get("host_reduce", "off") for w in book.workers]
+        groups = [tuple(range(len(addrs)))] if one_host_job(addrs, modes) else host_groups(addrs, modes, book.servers)
         group = group_of(groups, book.rank)
         self.hosting = any(len(g) > 1 for g in groups)
+        self.whole_job = len(groups) == 1 and self.hosting
         self.leader, self.rank, self.generation = group[0], book.rank, book.generation
         self.gone = {}
         self.leader_left = 0.0
@@ -124,6 +128,8 @@ class HostLink:
         """A worker was lost or left: a local fails what waits on its leader (and refuses new
         work in a job that is not elastic: no round can complete), a leader the rounds that wait
         on it. A leader that left gracefully sent the results it had first: they get a moment."""
+        if not lost:  # a rank that ended its loop early is the usual reason: say so, as a server does
+            why = f"{why} (before pushing to this round; {UNEVEN_STEPS})"
         self.gone[rank] = why
         if self.rounds is not None:
             self.rounds.worker_gone(rank, why)

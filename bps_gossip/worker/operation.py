@@ -8,8 +8,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..futures import Future
-from ..transport.shm import OwnedSegment
+from ..transport.shm import OwnedSegment, SegmentPool
 from .server_choice import server_of
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are the same items in the same memory (an in-place push_pull)."""
+    return (a.dtype == b.dtype and a.size == b.size
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,6 +45,18 @@ class Operation:
     submitted: float = 0.0
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
     host_rounds: dict[int, Any] | None = None  # a host leader: its partitions' host rounds (worker.host_reduce)
+
+    def stage_in(self, segments: SegmentPool) -> None:
+        """Put the payload in shared memory: sent in place from a leased buffer that is also the
+        output, else copied into a segment of ``segments``."""
+        lease = segments.leased(self.send)
+        if lease is not None and same_memory(self.send, self.out):
+            self.segment, self.segment_base = lease
+            self.leased = True
+            return
+        self.segment = segments.acquire(self.name, self.send.nbytes)
+        if self.send.size:
+            self.segment.view(self.send.dtype, self.send.size)[:] = self.send
 
     def region(self, offset: int, count: int) -> np.ndarray:
         """The shared-memory view of ``count`` items of the payload from item ``offset``."""

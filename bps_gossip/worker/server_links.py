@@ -50,13 +50,8 @@ from .server_choice import server_of
 from .trace import Tracer, now_us
 
 PUSH = Push.header()["op"]
+IN_REGION = Result(req=0, shm=True)  # a sum a host leader made itself, in its own segment
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
-
-
-def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays are the same items in the same memory (an in-place push_pull)."""
-    return (a.dtype == b.dtype and a.size == b.size
-            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 class ServerLinks(LinkFailures):
@@ -73,6 +68,7 @@ class ServerLinks(LinkFailures):
         self.lock = threading.Lock()  # held by whichever thread uses the server sockets (module docstring)
         self.sockets: list[zmq.Socket] = []
         self._fds: list[int] = []  # each server socket's ZMQ_FD, what the engine polls
+        self._leader_fd = -1  # the host leader socket's ZMQ_FD (a local of a host group)
         self._look = False  # a reply may wait unseen on some server socket: read them all
         self._sent = False  # the engine thread sent on server sockets since it last looked
         # The engine completes finished operations just before it polls (flush): a waiter woken
@@ -103,6 +99,7 @@ class ServerLinks(LinkFailures):
         self._lost.clear()
         self._heard.clear()
         host_changed = self.hosts.connect(book)
+        self._leader_fd = self.hosts.sock.get(zmq.FD) if self.hosts.sock is not None else -1
         if self.addresses == book.servers:
             return host_changed
         # A server that stays keeps its connection: a new one would present this worker's routing
@@ -139,9 +136,9 @@ class ServerLinks(LinkFailures):
 
     @property
     def poll_sockets(self) -> list[zmq.Socket | int]:
-        """What the engine polls for this part: the servers' ZMQ_FDs (never the sockets: a caller
-        may send on them meanwhile, see the module docstring) and the host leader's socket."""
-        return self._fds if self.hosts.sock is None else [*self._fds, self.hosts.sock]
+        """What the engine polls for this part: the ZMQ_FDs of the servers' sockets and the host
+        leader's (never the sockets: a caller may send on them meanwhile, see the module docstring)."""
+        return self._fds if self._leader_fd < 0 else [*self._fds, self._leader_fd]
 
     def drain(self, events: dict[Any, int]) -> None:
         """Read the replies of every server (and host leader) that has some (bounded per server)."""
@@ -149,15 +146,16 @@ class ServerLinks(LinkFailures):
         for index, sock in enumerate(self.sockets):
             if look or self._fds[index] in events or sock in events:
                 self._look |= drain(sock, False, self._handlers[index], self._drops, 1024)  # True: more left
-        if self.hosts.sock is not None and self.hosts.sock in events:
-            drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
+        if self.hosts.sock is not None and (look or self._leader_fd in events):
+            self._look |= drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
 
     def readable(self) -> bool:
         """After the engine's sends: whether a reply waits that the server sockets' descriptors
         may not announce (then the engine reads before it sleeps)."""
         if self._sent:
             self._sent = False
-            self._look |= any(readable(sock) for sock in self.sockets)
+            self._look |= any(readable(sock) for sock in self.sockets) \
+                or (self.hosts.sock is not None and readable(self.hosts.sock))
         return self._look
 
     def close(self) -> None:
@@ -179,17 +177,7 @@ class ServerLinks(LinkFailures):
         if not self.hosts.needs_segment(op) and (not local or op.codecs is not None
                                                  or not op.servers(nservers) & local):
             return  # compressed payloads go as frames
-        self._stage(op)
-
-    def _stage(self, op: Operation) -> None:
-        lease = self.segments.leased(op.send)
-        if lease is not None and same_memory(op.send, op.out):
-            op.segment, op.segment_base = lease  # the payload is in shared memory already: sent in place
-            op.leased = True
-            return
-        op.segment = self.segments.acquire(op.name, op.send.nbytes)
-        if op.send.size:
-            op.segment.view(op.send.dtype, op.send.size)[:] = op.send
+        op.stage_in(self.segments)
 
     def enqueue(self, op: Operation) -> None:
         """Queue every partition of ``op`` by priority."""
@@ -206,16 +194,23 @@ class ServerLinks(LinkFailures):
 
     def push_now(self, op: Operation) -> bool:
         """On the caller's thread, holding ``lock``: send ``op`` at once if it is one small
-        partition pushed straight to a server and nothing waits to go before it (what dispatch
-        would send first); False: queue it as any other."""
+        partition pushed straight to a server or to this host's leader and nothing waits to go
+        before it (what dispatch would send first); False: queue it as any other."""
         if len(op.parts) != 1 or op.codecs is not None or op.traced or self._heap or not self.sockets \
                 or len(self._unacked) >= self.config.scheduling_credit \
-                or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES or self.hosts.way(op) is not Way.DIRECT:
+                or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES:
+            return False
+        way = self.hosts.way(op)
+        if way is Way.DIRECT:
+            sock = self.sockets[server_of(op.key, 0, len(self.sockets))]
+        elif way is Way.TO_LEADER and op.segment is not None and self.hosts.refusal(op) is None:
+            sock = self.hosts.sock
+        else:
             return False
         self._track(op)
-        self._push(op, 0, Way.DIRECT)
+        self._push(op, 0, way)
         self._sent = False  # the engine looked before it let go of the lock: only this socket is new
-        self._look |= readable(self.sockets[server_of(op.key, 0, len(self.sockets))])
+        self._look |= readable(sock)
         return True
 
     @property
@@ -241,7 +236,7 @@ class ServerLinks(LinkFailures):
     def _send(self, op: Operation, index: int) -> None:
         way = self.hosts.way(op)
         if way in (Way.TO_LEADER, Way.HOST_ROUND) and op.segment is None:
-            self._stage(op)  # the address book changed after the caller staged it
+            op.stage_in(self.segments)  # the address book changed after the caller staged it
         refusal = self.hosts.refusal(op) if way is Way.TO_LEADER else None
         if refusal is not None:
             self.fail_op(op, refusal)
@@ -251,14 +246,27 @@ class ServerLinks(LinkFailures):
             self._push(op, index, way)
 
     def _push_hosted(self, op: Operation, index: int) -> None:
-        self._push(op, index, Way.HOSTED)
+        """The host's sum of a partition is in the leader's segment: push it to the servers, or,
+        where this host holds every worker of the job, it is the result already."""
+        if not self.hosts.whole_job:
+            self._push(op, index, Way.HOSTED)
+            return
+        if op.traced:  # queued until the locals were in and summed; its push_pull is the copy out
+            self._queued(op, index)
+        self._store(op, index, IN_REGION, [])
+
+    def _queued(self, op: Operation, index: int) -> None:
+        """A traced partition leaves the queue now (BYTEPS_TRACE_ON's QUEUE stage)."""
+        sent = now_us()
+        self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
+        op.stamps[index] = sent
 
     def _poison(self, rid: tuple[int, int, int, int], name: str, sig: dict[str, Any], why: str) -> None:
         """A host round failed on a mismatch: push, for this host, an empty partition that no
         rank's can match, so the server fails the round for every host at once."""
         _, key, part, seq = rid
         server = server_of(key, part, len(self.sockets))
-        if server in self._lost:
+        if server in self._lost or self.hosts.whole_job:  # whole_job: no other host waits on a server
             return
         header = Push.header(req=next(self._req_ids), key=key, name=name, part=part, seq=seq, count=0,
                              wire="|u1", dtype=sig["dtype"], shape=sig["shape"],
@@ -283,9 +291,7 @@ class ServerLinks(LinkFailures):
             self._unacked[req] = target
         op.reqs.add(req)
         if op.traced:
-            sent = now_us()
-            self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
-            op.stamps[index] = sent
+            self._queued(op, index)
         sig = op.sig
         header = {"op": PUSH, "req": req, "key": op.key, "name": op.name, "part": index, "seq": op.seq,
                   "count": count, "wire": op.send.dtype.str, "dtype": sig["dtype"], "shape": sig["shape"],
