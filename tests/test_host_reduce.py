@@ -14,7 +14,7 @@ TWO_HOSTS = {0: {"DMLC_NODE_HOST": "127.0.0.1"}, 1: {"DMLC_NODE_HOST": "127.0.0.
 
 # What each rank learned of its place, and what the servers took from whom.
 PLACES = '''
-import numpy as np, bps_gossip as bps
+import threading, numpy as np, bps_gossip as bps
 from bps_gossip import api
 bps.init()
 rank, size = bps.rank(), bps.size()
@@ -27,7 +27,8 @@ small = bps.push_pull(np.array([rank], dtype=np.int64), "small", average=False)
 bps.barrier()
 stats = bps.server_stats() if rank == 0 else None
 report({"rank": rank, "hosting": hosts.hosting, "leader": hosts.leader, "small": int(small[0]),
-        "digest": float(out.sum()), "stats": stats})
+        "digest": float(out.sum()), "stats": stats,
+        "summation_threads": any(t.name.startswith("bps-hostsum") for t in threading.enumerate())})
 bps.shutdown()
 '''
 
@@ -67,6 +68,8 @@ def test_one_machine_is_summed_by_its_leader_and_the_servers_take_nothing(cluste
     auto = run(cluster, {}, {}, workers=3)
     assert [r["leader"] for r in auto] == [0, 0, 0] and all(r["hosting"] for r in auto)
     assert auto[0]["stats"][0]["pushes"] == [0, 0, 0], auto[0]["stats"]
+    # "grad" (1.2 MB) is summed on the leader's summation threads; nobody else has any.
+    assert [r["summation_threads"] for r in auto] == [True, False, False]
     forced = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "on"}, {}, workers=3)
     assert [r["leader"] for r in forced] == [0, 0, 0] and forced[0]["stats"][0]["pushes"] == [0, 0, 0]
     off = run(cluster, {"BPS_GOSSIP_HOST_REDUCE": "off"}, {}, workers=3)

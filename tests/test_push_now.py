@@ -1,4 +1,5 @@
-"""Small push_pulls sent from the caller's thread (worker.server_links.push_now): a chain of them
+"""Small push_pulls sent from the caller's thread (worker.server_links.push_now; to a server, or to
+the host leader that sums a one-host job, or entered in the leader's own round): a chain of them
 started from a future's callback (which runs on the engine thread, holding the links' lock)
 goes through the engine instead of waiting for that lock, and many in a row all complete."""
 
@@ -40,8 +41,9 @@ bps.shutdown()
 '''
 
 
-def test_chained_from_callbacks_and_in_a_loop(cluster):
-    job = cluster(2)
+@pytest.mark.parametrize("host_reduce", ["off", "auto"], ids=["to-the-server", "through-the-host-leader"])
+def test_chained_from_callbacks_and_in_a_loop(cluster, host_reduce):
+    job = cluster(2, env={"BPS_GOSSIP_HOST_REDUCE": host_reduce})
     finished = job.run_workers(CODE, timeout=100)
     assert_all_ok(finished, job)
     for worker in finished:

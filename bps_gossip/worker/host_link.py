@@ -31,6 +31,7 @@ from ..transport.sockets import SocketRole, open_socket
 from .host_reduce import HostRounds, host_route
 from .operation import Operation
 from .scheduler_link import Book
+from .sum_threads import SumThreads
 
 MAX_EARLY = 4096  # locals' pushes held until this leader has the address book of their generation
 LEFT_GRACE = 2.0  # seconds the results a leader sent before it left gracefully may take to arrive
@@ -62,6 +63,7 @@ class HostLink:
         self.sock: zmq.Socket | None = None  # a local: the DEALER to its leader
         self.rounds: HostRounds | None = None  # a leader of other workers
         self.peer_sock: Any = None  # this worker's peer ROUTER (set by the engine): replies to locals
+        self.threads = SumThreads(config.server_engine_threads)  # a leader's large sums
         self._early: list[tuple[float, bytes, Push]] = []
         self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
         self.leader_left = 0.0  # when this local's leader left gracefully (0: it did not)
@@ -84,7 +86,7 @@ class HostLink:
         self.leader_left = 0.0
         if len(group) > 1 and self.leader == book.rank:
             self.rounds = HostRounds(self.config, book.rank, book.generation, group, book.workers,
-                                     self.push, self.fail, self.poison)
+                                     self.push, self.fail, self.poison, finish=self.whole_job, threads=self.threads)
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:
             self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, host_route(self.uid, book.generation))
@@ -182,3 +184,4 @@ class HostLink:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+        self.threads.close()

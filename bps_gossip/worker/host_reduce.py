@@ -31,6 +31,7 @@ from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
 from ..protocol import Ack, Error, Message, Push, Result, send
 from ..transport.shm import AttachedSegments, owner_pid
 from .operation import Operation
+from .sum_threads import SumThreads
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once
@@ -90,6 +91,7 @@ class HostRound:
     error: tuple[str, str] | None = None  # (kind, why) once failed
     sent: bool = False  # the host's sum went to the servers
     stall_reported: bool = False
+    spread: bool = False  # the sum is in every local's region already (a leader that finishes)
 
 
 class HostRounds:
@@ -100,8 +102,12 @@ class HostRounds:
     def __init__(self, config: Config, rank: int, generation: int, members: tuple[int, ...],
                  workers: list[dict[str, Any]], push: Callable[[Operation, int], None],
                  fail: Callable[[Operation, BpsGossipError], None],
-                 poison: Callable[[HostRoundId, str, dict[str, Any], str], None]) -> None:
+                 poison: Callable[[HostRoundId, str, dict[str, Any], str], None], *,
+                 finish: bool = False, threads: SumThreads | None = None) -> None:
         self.config = config
+        self.finish = finish  # this host holds the whole job: the sums are the results (no server)
+        self.threads = threads  # large rounds are summed (and copied out) there
+        self.closed = False
         self.rank = rank
         self.generation = generation
         self.members = members
@@ -173,6 +179,12 @@ class HostRounds:
         self._agree(rnd, self.rank, (op.sig, op.send.dtype.str, count))
         self._advance(rnd)
 
+    def awaits_locals(self, op: Operation, part: int) -> bool:
+        """Whether no local pushed ``op``'s partition yet (entering the leader's own then answers
+        nobody: it may be done on the caller's thread, see ServerLinks.push_now)."""
+        rnd = self.rounds.get((self.generation, op.key, part, op.seq))
+        return rnd is None or (not rnd.locals and not self.gone)
+
     def _round(self, rid: HostRoundId, name: str, sig: tuple[dict[str, Any], str, int],
                rank: int) -> HostRound | None:
         rnd = self.rounds.get(rid)
@@ -207,9 +219,33 @@ class HostRounds:
             return
         op, part = rnd.own
         offset, count = op.parts[part]
-        if count:
-            add_into(op.region(offset, count), [local.region for local in rnd.locals.values()])
         rnd.sent = rnd.own_done = True
+        if self.threads is not None and count * op.send.dtype.itemsize > IN_CACHE:
+            self.threads.submit(lambda: self._reduce(rnd, op, offset, count),
+                                lambda error: self._reduced(rnd, op, part, error))
+            return
+        self._reduce(rnd, op, offset, count)
+        self._reduced(rnd, op, part, None)
+
+    def _reduce(self, rnd: HostRound, op: Operation, offset: int, count: int) -> None:
+        """The host's sum into the leader's region; where it is the result, also into the
+        leader's output and every local's region (on a summation thread for large rounds)."""
+        if not count:
+            return
+        mine = op.region(offset, count)
+        add_into(mine, [local.region for local in rnd.locals.values()])
+        if self.finish:
+            if not op.leased:  # a leased segment is the output itself
+                op.out[offset:offset + count] = mine
+            copy_to(mine, [local.region for local in rnd.locals.values()])
+            rnd.spread = True
+
+    def _reduced(self, rnd: HostRound, op: Operation, part: int, error: BaseException | None) -> None:
+        if self.closed or rnd.error is not None or op.failed:
+            return  # failed meanwhile: everyone was told
+        if error is not None:
+            self._fail(rnd, "protocol", f"tensor {rnd.name!r}: host leader {self.rank} failed to sum: {error!r}")
+            return
         self.push(op, part)
 
     # -- what the servers answer -----------------------------------------------------
@@ -220,7 +256,7 @@ class HostRounds:
             return
         self.rounds.pop(rnd.rid, None)
         offset, count = op.parts[part]
-        if count:
+        if count and not rnd.spread:
             copy_to(op.out[offset:offset + count], [local.region for local in rnd.locals.values()])
         for local in rnd.locals.values():
             self._reply(local.route, Result(req=local.req, shm=True))
@@ -305,6 +341,9 @@ class HostRounds:
             rnd.own, rnd.own_done = None, True  # the engine fails the leader's operations itself
             self._fail(rnd, kind, why)
         self.rounds.clear()
+        self.closed = True
+        if self.threads is not None:
+            self.threads.settle()  # no summation thread reads a local's segment as it is unmapped
         self.attached.close()
 
     def _reply(self, route: bytes, msg: Message) -> None:

@@ -50,7 +50,6 @@ from .server_choice import server_of
 from .trace import Tracer, now_us
 
 PUSH = Push.header()["op"]
-IN_REGION = Result(req=0, shm=True)  # a sum a host leader made itself, in its own segment
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
@@ -138,7 +137,8 @@ class ServerLinks(LinkFailures):
     def poll_sockets(self) -> list[zmq.Socket | int]:
         """What the engine polls for this part: the ZMQ_FDs of the servers' sockets and the host
         leader's (never the sockets: a caller may send on them meanwhile, see the module docstring)."""
-        return self._fds if self._leader_fd < 0 else [*self._fds, self._leader_fd]
+        fds = [*self._fds, self.hosts.threads.fileno()]
+        return fds if self._leader_fd < 0 else [*fds, self._leader_fd]
 
     def drain(self, events: dict[Any, int]) -> None:
         """Read the replies of every server (and host leader) that has some (bounded per server)."""
@@ -146,6 +146,8 @@ class ServerLinks(LinkFailures):
         for index, sock in enumerate(self.sockets):
             if look or self._fds[index] in events or sock in events:
                 self._look |= drain(sock, False, self._handlers[index], self._drops, 1024)  # True: more left
+        if self.hosts.threads.fileno() in events:
+            self.hosts.threads.finished()
         if self.hosts.sock is not None and (look or self._leader_fd in events):
             self._look |= drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
 
@@ -195,7 +197,9 @@ class ServerLinks(LinkFailures):
     def push_now(self, op: Operation) -> bool:
         """On the caller's thread, holding ``lock``: send ``op`` at once if it is one small
         partition pushed straight to a server or to this host's leader and nothing waits to go
-        before it (what dispatch would send first); False: queue it as any other."""
+        before it (what dispatch would send first), or, on a host leader, enter it in its host
+        round while no local's push is in (so that nobody needs an answer yet: the engine
+        answers when they come); False: queue it as any other."""
         if len(op.parts) != 1 or op.codecs is not None or op.traced or self._heap or not self.sockets \
                 or len(self._unacked) >= self.config.scheduling_credit \
                 or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES:
@@ -205,6 +209,10 @@ class ServerLinks(LinkFailures):
             sock = self.sockets[server_of(op.key, 0, len(self.sockets))]
         elif way is Way.TO_LEADER and op.segment is not None and self.hosts.refusal(op) is None:
             sock = self.hosts.sock
+        elif way is Way.HOST_ROUND and op.segment is not None and self.hosts.rounds.awaits_locals(op, 0):
+            self._track(op)
+            self.hosts.rounds.own(op, 0)
+            return True
         else:
             return False
         self._track(op)
@@ -251,9 +259,9 @@ class ServerLinks(LinkFailures):
         if not self.hosts.whole_job:
             self._push(op, index, Way.HOSTED)
             return
-        if op.traced:  # queued until the locals were in and summed; its push_pull is the copy out
+        if op.traced:  # queued until the locals were in; its push_pull is the sum and the copies out
             self._queued(op, index)
-        self._store(op, index, IN_REGION, [])
+        self._stored(op, index)  # HostRounds put the sum in the output and the locals' regions
 
     def _queued(self, op: Operation, index: int) -> None:
         """A traced partition leaves the queue now (BYTEPS_TRACE_ON's QUEUE stage)."""
@@ -344,13 +352,17 @@ class ServerLinks(LinkFailures):
 
     def _store(self, op: Operation, part: int, msg: Result, frames: list[zmq.Frame]) -> None:
         offset, count = op.parts[part]
-        if op.traced:
-            self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
         if count and msg.shm:
             if not op.leased:  # a leased segment is op.out itself: the sum is in place
                 op.out[offset:offset + count] = op.region(offset, count)
         elif count:
             op.out[offset:offset + count] = np.frombuffer(frames[0].buffer, dtype=op.out.dtype, count=count)
+        self._stored(op, part)
+
+    def _stored(self, op: Operation, part: int) -> None:
+        """Partition ``part``'s sum is in ``op.out``: hand it on, and finish ``op`` after its last."""
+        if op.traced:
+            self.tracer.event(op.name, "PUSH_PULL", part, op.stamps[part], now_us())
         if op.host_rounds and self.hosts.rounds is not None:  # a leader: the locals get the sum too
             self.hosts.rounds.result(op, part)
         op.remaining -= 1
