@@ -30,6 +30,7 @@ class LinkFailures:
     _stats: dict[int, Any]
     _lost: dict[int, str]
     _heard: dict[int, float]
+    read_leader: Any
 
     def op_timeout(self) -> float:
         """How long an operation may wait for a server that says nothing at all. Servers
@@ -80,7 +81,11 @@ class LinkFailures:
                 self.fail_op(op, PeerLostError(f"push_pull {op.name!r}: {why}"))
 
     def worker_gone(self, rank: int, lost: bool, why: str) -> None:
-        """A worker was lost or left: what waits on it through this host fails."""
+        """A worker was lost or left: what waits on it through this host fails, once what it
+        answered before it went was read (a mismatch it found is the error to report, and its
+        reply may wait behind the scheduler's word of its exit)."""
+        if rank == self.hosts.leader and self.hosts.sock is not None:
+            self.read_leader()
         self.hosts.worker_gone(rank, lost, why)
 
     def check_deadlines(self, now: float) -> None:

@@ -2,13 +2,7 @@
 deadlines. Runs on the engine thread, holding ``lock`` (``stage`` excepted: the caller's thread;
 and ``push_now``, the caller's thread holding ``lock``).
 
-A small push_pull of one partition with nothing queued ahead of it is sent by its caller at once
-(``push_now``): handing it to the engine thread cost a wake of that thread and a pass of its loop,
-about a third of the engine's CPU per small push_pull. ZeroMQ sockets are not thread-safe, so
-the engine never polls the server sockets themselves while the caller may send on them: it polls
-their notification descriptors (ZMQ_FD, which only say "look at ZMQ_EVENTS") and uses the sockets
-only while it holds ``lock``. A send can consume the notification of a reply that arrived
-meanwhile; whoever sent checks ZMQ_EVENTS afterwards (``readable``) so that no reply waits unseen.
+Small push_pulls are sent from their caller's thread (worker.caller_sends).
 
 Tensors are split into partitions spread over the servers (worker.server_choice)
 and sent in priority order (BytePS: larger priority first) with at most
@@ -39,9 +33,10 @@ from ..errors import PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..transport import endpoint_host, send_message
-from ..transport.receive import DropLog, drain, readable
+from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
+from .caller_sends import CallerSends
 from .host_link import HostLink, Way
 from .link_failures import LEADER, LinkFailures
 from .operation import Operation
@@ -53,7 +48,7 @@ PUSH = Push.header()["op"]
 DISPATCH_BATCH = 256  # partitions sent per pass of the engine loop
 
 
-class ServerLinks(LinkFailures):
+class ServerLinks(LinkFailures, CallerSends):
     """Every connection to a server and the partitions in flight on them (module docstring)."""
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
@@ -149,16 +144,11 @@ class ServerLinks(LinkFailures):
         if self.hosts.threads.fileno() in events:
             self.hosts.threads.finished()
         if self.hosts.sock is not None and (look or self._leader_fd in events):
-            self._look |= drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
+            self.read_leader()
 
-    def readable(self) -> bool:
-        """After the engine's sends: whether a reply waits that the server sockets' descriptors
-        may not announce (then the engine reads before it sleeps)."""
-        if self._sent:
-            self._sent = False
-            self._look |= any(readable(sock) for sock in self.sockets) \
-                or (self.hosts.sock is not None and readable(self.hosts.sock))
-        return self._look
+    def read_leader(self) -> None:
+        """Read what this local's host leader answered (bounded)."""
+        self._look |= drain(self.hosts.sock, False, self._leader_table, self._drops, 1024)
 
     def close(self) -> None:
         """Close every server socket and the host leader link."""
@@ -193,38 +183,6 @@ class ServerLinks(LinkFailures):
             op.stamps = dict.fromkeys(range(len(op.parts)), now_us())
         op.deadline = time.monotonic() + self.op_timeout()
         self.pending.add(op)
-
-    def push_now(self, op: Operation) -> bool:
-        """On the caller's thread, holding ``lock``: send ``op`` at once if it is one small
-        partition pushed straight to a server or to this host's leader and nothing waits to go
-        before it (what dispatch would send first), or, on a host leader, enter it in its host
-        round while no local's push is in (so that nobody needs an answer yet: the engine
-        answers when they come); False: queue it as any other."""
-        if len(op.parts) != 1 or op.codecs is not None or op.traced or self._heap or not self.sockets \
-                or len(self._unacked) >= self.config.scheduling_credit \
-                or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES:
-            return False
-        way = self.hosts.way(op)
-        if way is Way.DIRECT:
-            sock = self.sockets[server_of(op.key, 0, len(self.sockets))]
-        elif way is Way.TO_LEADER and op.segment is not None and self.hosts.refusal(op) is None:
-            sock = self.hosts.sock
-        elif way is Way.HOST_ROUND and op.segment is not None and self.hosts.rounds.awaits_locals(op, 0):
-            self._track(op)
-            self.hosts.rounds.own(op, 0)
-            return True
-        else:
-            return False
-        self._track(op)
-        self._push(op, 0, way)
-        self._sent = False  # the engine looked before it let go of the lock: only this socket is new
-        self._look |= readable(sock)
-        return True
-
-    @property
-    def unseen(self) -> bool:
-        """Whether replies may wait that the engine must read (see push_now)."""
-        return self._look
 
     def dispatch(self) -> bool:
         """Send partitions in priority order while credit lasts; True if some are still ready.
