@@ -1,5 +1,5 @@
-"""Small push_pulls sent from the caller's thread (worker.server_links.push_now; to a server, or to
-the host leader that sums a one-host job, or entered in the leader's own round): a chain of them
+"""Small push_pulls sent from the caller's thread (worker.caller_sends.push_now; to a server, or to
+the host leader that sums a one-host job): a chain of them
 started from a future's callback (which runs on the engine thread, holding the links' lock)
 goes through the engine instead of waiting for that lock, and many in a row all complete."""
 

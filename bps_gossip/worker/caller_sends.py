@@ -38,9 +38,9 @@ class CallerSends:
     def push_now(self, op: Operation) -> bool:
         """On the caller's thread, holding ``lock``: send ``op`` at once if it is one small
         partition pushed straight to a server or to this host's leader and nothing waits to go
-        before it (what dispatch would send first), or, on a host leader, enter it in its host
-        round while no local's push is in (so that nobody needs an answer yet: the engine
-        answers when they come); False: queue it as any other."""
+        before it (what dispatch would send first); False: queue it as any other. (A host leader's
+        own partition goes through the engine: entered in its round from here, while no local's
+        push was in, a 4 KiB push_pull of 2 workers took 420 us instead of 368.)"""
         if len(op.parts) != 1 or op.codecs is not None or op.traced or self._heap or not self.sockets \
                 or len(self._unacked) >= self.config.scheduling_credit \
                 or op.parts[0][1] * op.send.dtype.itemsize > SMALL_PUSH_BYTES:
@@ -50,10 +50,6 @@ class CallerSends:
             sock = self.sockets[server_of(op.key, 0, len(self.sockets))]
         elif way is Way.TO_LEADER and op.segment is not None and self.hosts.refusal(op) is None:
             sock = self.hosts.sock
-        elif way is Way.HOST_ROUND and op.segment is not None and self.hosts.rounds.awaits_locals(op, 0):
-            self._track(op)
-            self.hosts.rounds.own(op, 0)
-            return True
         else:
             return False
         self._track(op)

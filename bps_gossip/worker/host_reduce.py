@@ -179,12 +179,6 @@ class HostRounds:
         self._agree(rnd, self.rank, (op.sig, op.send.dtype.str, count))
         self._advance(rnd)
 
-    def awaits_locals(self, op: Operation, part: int) -> bool:
-        """Whether no local pushed ``op``'s partition yet (entering the leader's own then answers
-        nobody: it may be done on the caller's thread, see ServerLinks.push_now)."""
-        rnd = self.rounds.get((self.generation, op.key, part, op.seq))
-        return rnd is None or (not rnd.locals and not self.gone)
-
     def _round(self, rid: HostRoundId, name: str, sig: tuple[dict[str, Any], str, int],
                rank: int) -> HostRound | None:
         rnd = self.rounds.get(rid)
