@@ -127,6 +127,14 @@ class IdleViews:
         return view
 
 
+def idle_view(array: mx.nd.NDArray) -> np.ndarray:
+    """A writable flat view of ``array``'s memory once nothing in MXNet's engine reads or writes
+    it (a wait), in the default layout (reordered if it held a oneDNN one). Not inside an operator."""
+    check_call(_LIB.MXNDArrayWaitToWrite(array.handle))
+    make_default(array)
+    return _pointer_view(array).reshape(-1)
+
+
 def _address(view: np.ndarray) -> int | None:
     return view.__array_interface__["data"][0] if view.size else None
 

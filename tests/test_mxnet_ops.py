@@ -223,6 +223,20 @@ check("bad root broadcast", kind == "ValueError", f"{kind} {msg}")
 kind, msg = raises(ValueError, bps.DistributedTrainer, pnet.collect_params(), "sgd", root_rank=size)
 check("bad root trainer", kind == "ValueError", f"{kind} {msg}")
 
+# -- a small tensor goes from this thread once MXNet's engine is done with it: queued writes
+# land before the push_pull, queued reads see the value from before it, in both sizes' paths
+for count in (16, 40000):  # 64 B (this thread) and 160 KB (an operation in MXNet's engine)
+    x = mx.nd.ones(count)
+    x *= rank + 1  # queued write
+    before = x * 10  # queued read
+    bps.byteps_push_pull(x, name=f"ordered{count}", is_average=False)
+    after = x + 0  # read after
+    total = sum(range(1, size + 1))
+    check(f"ordered {count}: queued write summed", (x.asnumpy() == total).all(), str(x.asnumpy()[:3]))
+    check(f"ordered {count}: queued read saw the value before", (before.asnumpy() == 10 * (rank + 1)).all(),
+          str(before.asnumpy()[:3]))
+    check(f"ordered {count}: read after saw the sum", (after.asnumpy() == total).all(), str(after.asnumpy()[:3]))
+
 # -- wrong arguments: ValueError for a missing name, TypeError for a non-NDArray
 for bad_name in (None, ""):
     kind, msg = raises(ValueError, bps.byteps_push_pull, mx.nd.ones(3), name=bad_name)
