@@ -223,7 +223,7 @@ def test_collectives_bit_exact(cluster, workers, servers, env):
 BIG_PARTITIONS = HELPERS + '''
 bps.init()
 rank, size = bps.rank(), bps.size()
-# Partitions above 64 KiB are acknowledged and use credit; above 256 KiB the server sums
+# Partitions above 64 KiB are acknowledged and use credit; above 1 MiB the server sums
 # them on its thread pool. Several tensors in flight, in a rank-dependent order.
 jobs = [(np.dtype("float32"), (700, 1000)), (np.dtype("int64"), (150001,)), (np.dtype("uint8"), (3, 333333)),
         (np.dtype("float64"), (50000,)), (np.dtype("float16"), (2, 2))]
@@ -245,7 +245,7 @@ bps.shutdown()
 @pytest.mark.parametrize("shm,host_reduce", [("1", "off"), ("0", "auto"), ("1", "auto")],
                          ids=["shm-servers", "tcp-servers", "shm-host-leader"])
 def test_large_partitions_credit_and_server_pool(cluster, shm, host_reduce):
-    job = cluster(3, 2, {"BYTEPS_PARTITION_BYTES": "400000", "BYTEPS_SCHEDULING_CREDIT": "2",
+    job = cluster(3, 2, {"BYTEPS_PARTITION_BYTES": "1200000", "BYTEPS_SCHEDULING_CREDIT": "2",
                          "BYTEPS_SERVER_ENGINE_THREAD": "2", "BPS_GOSSIP_SHM": shm,
                          "BPS_GOSSIP_HOST_REDUCE": host_reduce})
     done = job.run_workers(BIG_PARTITIONS, timeout=60)

@@ -52,7 +52,7 @@ def wait_pool(rounds: Rounds, pool: SumPool) -> None:
             rounds.pool_done(rid, error)
 
 
-@pytest.mark.parametrize("elements", [1024, 16384, INLINE_BYTES // 4 + 1024])  # 4 KiB, 64 KiB inline; 257 KiB pool
+@pytest.mark.parametrize("elements", [1024, 16384, INLINE_BYTES // 4 + 1024])  # 4 KiB, 64 KiB inline; just over INLINE_BYTES: pool
 def test_sums_are_exact_inline_and_on_the_pool(rig, elements):
     rounds, pool, replies = rig
     rounds.take_book(book(3))
