@@ -3,6 +3,7 @@ allreduce does, keeps the SGD trajectory of the mean, and its collectives work."
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -75,39 +76,48 @@ def test_trainer_mean_follows_sgd_and_average_parameters(cluster, overlap):
     assert all(f.result[3] < 1e-6 for f in done)
 
 
+# Both ranks train a Dense(22000) on two device copies; train_step() does one step and checks that
+# the copies stayed equal (what follows it in a test's script is that test's own).
+TWO_DEVICES = textwrap.dedent("""
+    import mxnet as mx, numpy as np, mxnet_plugin as bps
+    bps.init()
+    rank = bps.rank()
+    devices = [mx.cpu(0), mx.cpu(1)]
+    net = mx.gluon.nn.Dense(22000, in_units=3)
+    net.initialize(mx.init.Constant(0.5), ctx=devices)
+    x = mx.nd.full((1, 3), rank + 1.0)
+
+
+    def train_step(trainer):
+        with mx.autograd.record():
+            losses = [net(x.as_in_context(d)).sum() for d in devices]
+        mx.autograd.backward(losses)
+        trainer.step(1)
+        weights = [w.asnumpy() for w in net.weight.list_data()]
+        biases = [b.asnumpy() for b in net.bias.list_data()]
+        assert all(np.array_equal(w, weights[0]) for w in weights), "device copies differ"
+        assert all(np.array_equal(b, biases[0]) for b in biases), "device copies differ"
+        return weights[0], biases[0]
+""")
+
 @pytest.mark.timeout(120)
 def test_large_parameters_are_mixed_in_their_own_memory(cluster):
     """A weight of 66,000 elements is mixed in the parameter's own memory (small ones as flat
     copies): with 2 workers every round is the exact average, so after each step both ranks hold
     the same bits in every device copy, and not what local SGD alone would give."""
     job = cluster(2)
-    done = job.run_workers("""
-        import mxnet as mx, numpy as np, mxnet_plugin as bps
+    done = job.run_workers(TWO_DEVICES + textwrap.dedent("""
         from mxnet_plugin.modes.parameter_gossip import IN_PLACE_ELEMENTS
-        bps.init()
-        rank = bps.rank()
-        devices = [mx.cpu(0), mx.cpu(1)]
-        net = mx.gluon.nn.Dense(22000, in_units=3)
         assert 22000 * 3 >= IN_PLACE_ELEMENTS > 22000
-        net.initialize(mx.init.Constant(0.5), ctx=devices)
         trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-        x = mx.nd.full((1, 3), rank + 1.0)
         digests = []
         for step in range(4):
-            with mx.autograd.record():
-                losses = [net(x.as_in_context(d)).sum() for d in devices]
-            mx.autograd.backward(losses)
-            trainer.step(1)
-            weights = [w.asnumpy() for w in net.weight.list_data()]
-            biases = [b.asnumpy() for b in net.bias.list_data()]
-            assert all(np.array_equal(w, weights[0]) for w in weights), "device copies differ"
-            assert all(np.array_equal(b, biases[0]) for b in biases), "device copies differ"
-            digests.append([weights[0].tobytes().hex()[:64], float(weights[0].min()), float(weights[0].max()),
-                            float(biases[0][0])])
+            weight, bias = train_step(trainer)
+            digests.append([weight.tobytes().hex()[:64], float(weight.min()), float(weight.max()), float(bias[0])])
         assert trainer._mode.gossip.direct and [k for k, _ in trainer._mode.gossip.large] == ["1"]
         report(digests)
         bps.shutdown()
-    """)
+    """))
     assert_all_ok(done, job)
     first, second = (f.result for f in done)
     assert first == second  # the same bits on both ranks, step after step
@@ -147,32 +157,18 @@ def test_overlapped_rounds_mix_the_model_in_its_own_memory(cluster):
     and every device copy follows; each step's weights are the numerator form's (computed here in
     one process), to float32 rounding."""
     job = cluster(2)
-    done = job.run_workers("""
-        import mxnet as mx, numpy as np, mxnet_plugin as bps
-        bps.init()
-        rank = bps.rank()
-        devices = [mx.cpu(0), mx.cpu(1)]
-        net = mx.gluon.nn.Dense(22000, in_units=3)
-        net.initialize(mx.init.Constant(0.5), ctx=devices)
+    done = job.run_workers(TWO_DEVICES + textwrap.dedent("""
         trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, overlap=True)
-        x = mx.nd.full((1, 3), rank + 1.0)
         seen = []
         for step in range(6):
-            with mx.autograd.record():
-                losses = [net(x.as_in_context(d)).sum() for d in devices]
-            mx.autograd.backward(losses)
-            trainer.step(1)
-            weights = [w.asnumpy() for w in net.weight.list_data()]
-            biases = [b.asnumpy() for b in net.bias.list_data()]
-            assert all(np.array_equal(w, weights[0]) for w in weights), "device copies differ"
-            assert all(np.array_equal(b, biases[0]) for b in biases), "device copies differ"
-            seen.append([float(weights[0].min()), float(weights[0].max()), float(biases[0][0])])
+            weight, bias = train_step(trainer)
+            seen.append([float(weight.min()), float(weight.max()), float(bias[0])])
         gossip = trainer._mode.gossip
         assert gossip.direct and gossip.averager.holds_z and [k for k, _ in gossip.large] == ["1"]
         assert gossip.averager.x["1"].base is not None  # a view of the parameter, not a copy
         report(seen)
         bps.shutdown()
-    """)
+    """))
     assert_all_ok(done, job)
     # local SGD moves rank r's weight by 0.1 * (r + 1) a step and its bias by 0.1 (from 0.5 and 0)
     expected = overlapped_numerator_form(6, {"w": 0.5, "b": 0.0}, [{"w": -0.1 * (r + 1), "b": -0.1} for r in range(2)])
