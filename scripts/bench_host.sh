@@ -4,7 +4,8 @@
 # overlap) beside MXNet's dist_sync and the no-communication ceiling, CPU ms per step by thread,
 # on mobilenet0.25 and resnet18_v1 in two layouts:
 #   2 workers x (cores / 2) threads, 1 server (2w1s, --threads auto): every core computes;
-#   8 workers x 1 thread, 2 servers (8w2s): cores to spare.
+#   8 workers x 1 thread, 2 servers (8w2s): cores to spare; resnet18_v1 also with
+#   BPS_GOSSIP_HOST_REDUCE=off (the servers sum, not the host's lowest rank).
 # It prints each table as it goes, then one Markdown table of all; OUTDIR gets bench_host.log,
 # summary.md, one JSON per run, and logs.tar.gz (the processes' logs) when a run failed.
 #
@@ -159,6 +160,9 @@ main() {
         run resnet18_2w1s_auto --model resnet18_v1 --configs 2w1s --threads auto
         run mobilenet_8w2s_1 --model mobilenet0.25 --configs 8w2s --threads 1
         run resnet18_8w2s_1 --model resnet18_v1 --configs 8w2s --threads 1
+        # the same with the servers summing (on one host the lowest rank sums by default): last, so
+        # that the budget cuts it first
+        BPS_GOSSIP_HOST_REDUCE=off run resnet18_8w2s_servers --model resnet18_v1 --configs 8w2s --threads 1
     fi
     local done_json
     done_json=$(ls "$OUTDIR"/*.json 2>/dev/null)
