@@ -1,69 +1,56 @@
 """The server's summation threads (BYTEPS_SERVER_ENGINE_THREAD) for large partitions.
 
 numpy releases the GIL while it adds, so several partitions are summed at once while the
-I/O thread goes on reading. A round completed on the pool comes back to the I/O thread
-through a queue, and a pipe that the I/O thread polls beside its sockets wakes it.
+I/O thread goes on reading (bps_gossip.sum_threads). A push that completes its round hands the
+round back to the I/O thread, which polls ``fileno()`` beside its sockets; the others wake nobody.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from ..aggregation import Round, RoundId
-from ..compat import shutdown_dropping_queued
-from ..thread_names import PREFIX, name_this_thread
+from ..sum_threads import SumThreads
 
 Done = Tuple[RoundId, Optional[str]]  # a completed round, and the error of a summation that failed
 
 
 class SumPool:
-    """Adds payloads into rounds on worker threads; :meth:`finished` hands completed rounds back."""
+    """Adds payloads into rounds on summation threads; :meth:`finished` hands completed rounds back."""
 
     def __init__(self, threads: int) -> None:
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bps-sum", initializer=name_this_thread,
-                                       initargs=(PREFIX + "sum",))
-        self.done_r, self.done_w = os.pipe()
-        os.set_blocking(self.done_r, False)
-        self.done: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self.threads = SumThreads(threads, "sum")
+        self._done: list[Done] = []
 
     def fileno(self) -> int:
         """Readable when rounds completed: poll it beside the sockets."""
-        return self.done_r
+        return self.threads.fileno()
 
     def submit(self, rnd: Round, payload: Any) -> None:
-        """Add ``payload`` (a frame, or a shared-memory region) into ``rnd`` on a pool thread."""
-        self.pool.submit(self._add, rnd, payload)
+        """Add ``payload`` (a frame, or a shared-memory region) into ``rnd`` on a summation thread."""
+        self.threads.submit(lambda: self._add(rnd, payload), lambda future: self._settled(rnd, future))
 
-    def _add(self, rnd: Round, payload: Any) -> None:
-        try:
-            if rnd.add(payload if isinstance(payload, np.ndarray) else payload.buffer):
-                rnd.write_back()
-                self.done.put((rnd.rid, None))
-                os.write(self.done_w, b".")
-        except Exception as exc:  # reported on the I/O thread instead of dying silently
-            self.done.put((rnd.rid, f"summation failed: {exc!r}"))
-            os.write(self.done_w, b".")
+    @staticmethod
+    def _add(rnd: Round, payload: Any) -> bool:
+        """Whether this payload completed the round (then summed and written back)."""
+        if rnd.add(payload if isinstance(payload, np.ndarray) else payload.buffer):
+            rnd.write_back()
+            return True
+        return False
+
+    def _settled(self, rnd: Round, future: Future) -> None:
+        error = future.exception()
+        self._done.append((rnd.rid, None if error is None else f"summation failed: {error!r}"))
 
     def finished(self) -> list[Done]:
         """The rounds completed (or failed) since the last call."""
-        try:
-            os.read(self.done_r, 65536)
-        except BlockingIOError:
-            pass
-        done = []
-        while True:
-            try:
-                done.append(self.done.get_nowait())
-            except queue.Empty:
-                return done
+        self.threads.finished()
+        done, self._done = self._done, []
+        return done
 
     def close(self) -> None:
         """Stop the threads (queued additions are dropped) and close the pipe."""
-        shutdown_dropping_queued(self.pool)
-        os.close(self.done_r)
-        os.close(self.done_w)
+        self.threads.close()

@@ -27,11 +27,11 @@ from ..config import Config
 from ..errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
 from ..host_groups import group_of, host_groups, one_host_job
 from ..protocol import Error, Push, send
+from ..sum_threads import SumThreads
 from ..transport.sockets import SocketRole, open_socket
 from .host_reduce import HostRounds, host_route
 from .operation import Operation
 from .scheduler_link import Book
-from .sum_threads import SumThreads
 
 MAX_EARLY = 4096  # locals' pushes held until this leader has the address book of their generation
 LEFT_GRACE = 2.0  # seconds the results a leader sent before it left gracefully may take to arrive
@@ -63,7 +63,7 @@ class HostLink:
         self.sock: zmq.Socket | None = None  # a local: the DEALER to its leader
         self.rounds: HostRounds | None = None  # a leader of other workers
         self.peer_sock: Any = None  # this worker's peer ROUTER (set by the engine): replies to locals
-        self.threads = SumThreads(config.server_engine_threads)  # a leader's large sums
+        self.threads = SumThreads(config.server_engine_threads, "hostsum")  # a leader's large sums
         self._early: list[tuple[float, bytes, Push]] = []
         self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
         self.leader_left = 0.0  # when this local's leader left gracefully (0: it did not)

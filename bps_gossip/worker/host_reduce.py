@@ -29,9 +29,9 @@ from ..aggregation import describe_signature
 from ..config import Config
 from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
 from ..protocol import Ack, Error, Message, Push, Result, send
+from ..sum_threads import SumThreads
 from ..transport.shm import AttachedSegments, owner_pid
 from .operation import Operation
-from .sum_threads import SumThreads
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once
@@ -216,7 +216,7 @@ class HostRounds:
         rnd.sent = rnd.own_done = True
         if self.threads is not None and count * op.send.dtype.itemsize > IN_CACHE:
             self.threads.submit(lambda: self._reduce(rnd, op, offset, count),
-                                lambda error: self._reduced(rnd, op, part, error))
+                                lambda done: self._reduced(rnd, op, part, done.exception()))
             return
         self._reduce(rnd, op, offset, count)
         self._reduced(rnd, op, part, None)
@@ -227,11 +227,10 @@ class HostRounds:
         if not count:
             return
         mine = op.region(offset, count)
-        add_into(mine, [local.region for local in rnd.locals.values()])
-        if self.finish:
-            if not op.leased:  # a leased segment is the output itself
-                op.out[offset:offset + count] = mine
-            copy_to(mine, [local.region for local in rnd.locals.values()])
+        regions = [local.region for local in rnd.locals.values()]
+        add_into(mine, regions)
+        if self.finish:  # one pass over the sum (block by block) fills the output and every local
+            copy_to(mine, regions if op.leased else [op.out[offset:offset + count], *regions])  # leased: mine is out
             rnd.spread = True
 
     def _reduced(self, rnd: HostRound, op: Operation, part: int, error: BaseException | None) -> None:
