@@ -92,19 +92,25 @@ bps.shutdown()
 """
 
 
+def on_three_servers(cluster, snippet: str, timeout: float) -> list[dict]:
+    """Each rank's report of ``snippet``, run by 2 workers pushing to 3 servers (host reduce off:
+    on one host the lowest rank would sum, and no server would take a push)."""
+    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
+    done = job.run_workers(snippet, timeout=timeout)
+    assert_all_ok(done, job)
+    job.wait_servers_exit()
+    return sorted((f.result for f in done), key=lambda r: r["rank"])
+
+
 @pytest.mark.timeout(120)
 def test_fused_steps_balance_bytes_over_servers(cluster):
-    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
-    done = job.run_workers(SNIPPET, timeout=110)
-    assert_all_ok(done, job)
-    for r in sorted((f.result for f in done), key=lambda r: r["rank"]):
+    for r in on_three_servers(cluster, SNIPPET, 110):
         assert not r["failures"], r["failures"]
         # the names' hash alone would put some partitions elsewhere: the plan is what is checked
         assert r["allreduce_differs_from_hash"] and r["kvstore_differs_from_hash"], r
         assert r["allreduce_partitions"] >= 10 and not r["allreduce_mismatch"], r
         assert max(r["allreduce_load"]) - min(r["allreduce_load"]) <= 1, r
         assert r["kvstore_checked"] >= 10 and not r["kvstore_mismatch"], r
-    job.wait_servers_exit()
 
 
 CORE_SNIPPET = PLAN_HELPERS + """
@@ -132,10 +138,6 @@ bps_gossip.shutdown()
 
 @pytest.mark.timeout(60)
 def test_plan_servers_places_a_users_tensors(cluster):
-    job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
-    done = job.run_workers(CORE_SNIPPET, timeout=50)
-    assert_all_ok(done, job)
-    for r in (f.result for f in done):
+    for r in on_three_servers(cluster, CORE_SNIPPET, 50):
         assert r["sums_ok"] and r["differs_from_hash"] and not r["mismatch"], r
         assert "pushed already" in r["late"], r
-    job.wait_servers_exit()
