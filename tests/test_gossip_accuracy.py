@@ -122,10 +122,12 @@ def test_sixteen_ranks_around_a_slow_rank_train_as_well_as_allreduce():
 @pytest.mark.timeout(180)
 def test_no_rank_diverges_when_all_its_in_peers_are_routed_around():
     """Rank 0's in-peers are all slow: its weight halves every round until their messages come.
-    With the whole step in x at any weight one of two runs diverged (a rank at 0.10)."""
+    With the whole step in x at any weight one of two runs diverged (a rank at 0.10). The worst rank
+    depends on the machine's load (the slow links are timers): 0.78-0.95 in 12 runs six at a time,
+    0.74 once in a full test run; 0.5 still tells divergence from that."""
     gossip, routed = train("gossip", MANY_SLOW)
     assert routed, "no rank was routed around"
-    assert min(gossip) >= 0.75, sorted(gossip)
+    assert min(gossip) >= 0.5, sorted(gossip)
 
 
 def test_a_local_step_moves_z_by_at_most_twice_the_step():
