@@ -30,7 +30,7 @@ from bps_gossip.compat import zip_exact
 from bps_gossip.worker.server_choice import plan_servers, routed
 
 from .layouts import address_in_engine, contiguous_span, make_default, raw_view
-from .overlap import _rounds, poison, run_push_pull
+from .overlap import begin_round, poison, run_push_pull
 
 SMALL_BYTES = 256 * 1024  # gradients up to this size are fused
 BUCKET_BYTES = 4 * 1024 * 1024  # a bucket is cut once it holds this much
@@ -183,7 +183,7 @@ def push_pull_fused_in_engine(members: list[list[mx.nd.NDArray]], name: str, lay
         # several devices in this worker: their sum (a temporary) takes part, then goes back to each
         totals.append(copies[0] if len(copies) == 1 else mx.nd.add_n(*[a.as_in_context(copies[0].context)
                                                                         for a in copies]))
-    round_id = _rounds.begin(name)
+    round_id = begin_round(name)
     where = f"push_pull({name!r})"
     views: list[np.ndarray] = []
 

@@ -13,8 +13,8 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
-from bps_gossip.aggregation import SMALL_PUSH_BYTES
 from bps_gossip.futures import Future as Handle
+from bps_gossip.protocol.data import SMALL_PUSH_BYTES
 
 from .layouts import idle_view, make_default
 from .overlap import (

@@ -137,6 +137,12 @@ class _Rounds:
 _rounds = _Rounds()
 
 
+def begin_round(name: str) -> str:
+    """Wait for ``name``'s previous round in MXNet's engine (raising a kept error), open the
+    next and return its id for :func:`run_push_pull`."""
+    return _rounds.begin(name)
+
+
 def drain() -> None:
     """Wait until every push_pull queued in MXNet's engine has run (call before shutdown).
 

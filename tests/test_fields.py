@@ -1,4 +1,4 @@
-"""Checked field reads (bps_gossip/fields.py) and push validation, property-based: any
+"""Checked field reads (bps_gossip/fields.py) and push decoding, property-based: any
 value a msgpack peer can send becomes a field of the promised type and range, or a
 ProtocolError/ValueError; never another exception, never a conversion."""
 
@@ -10,27 +10,35 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bps_gossip import fields
-from bps_gossip.aggregation import validate_push
 from bps_gossip.errors import ProtocolError
+from bps_gossip.protocol import Push
 
 # everything msgpack can carry
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40) | st.binary(max_size=40))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
                                                                                            max_size=5), max_leaves=20)
-FIELDS = ["req", "rank", "key", "part", "seq", "count", "wire", "dtype", "shape", "kind", "gen", "size", "name"]
+FIELDS = ["req", "rank", "key", "part", "seq", "count", "wire", "dtype", "shape", "kind", "gen", "size", "name",
+          "ack", "shm", "offset", "hosted", "codec"]
+VALID_PUSH = {"req": 1, "gen": 0, "key": 3, "part": 0, "seq": 0, "name": "w", "count": 2, "wire": "<f4",
+              "dtype": "float32", "shape": [2], "kind": "sum"}
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(FIELDS), values))
-def test_any_push_header_is_a_signature_or_a_rejection(header):
-    header = msgpack.unpackb(msgpack.packb(header), strict_map_key=False)  # as it arrives
+@given(st.dictionaries(st.sampled_from(FIELDS), values), st.sets(st.sampled_from(sorted(VALID_PUSH))))
+def test_any_push_header_is_a_push_or_a_rejection(changed, dropped):
+    """A valid push with any fields changed or dropped decodes to a Push whose fields have
+    their types, or is refused with a ProtocolError (nothing else escapes)."""
+    header = {key: value for key, value in {**VALID_PUSH, **changed}.items() if key not in dropped - changed.keys()}
+    header = msgpack.unpackb(msgpack.packb({"op": "push", **header}), strict_map_key=False)  # as it arrives
     try:
-        sig, wire, count = validate_push(header, 8)
-    except (ProtocolError, ValueError, TypeError):
+        push = Push.decode(header)
+        push.check_payload([b"12345678"])
+    except ProtocolError:
         return
-    assert isinstance(count, int) and not isinstance(count, bool) and count >= 0
-    assert all(isinstance(d, int) and not isinstance(d, bool) for d in sig["shape"])
+    assert isinstance(push.count, int) and not isinstance(push.count, bool) and push.count >= 0
+    assert push.nbytes == 8 or push.shm is not None
+    assert all(isinstance(d, int) and not isinstance(d, bool) for d in push.signature["shape"])
 
 
 @settings(max_examples=300, deadline=None)

@@ -268,7 +268,7 @@ def test_a_member_id_cannot_be_taken_over(cluster):
 def test_joiners_waiting_are_bounded(cluster):
     """Issue 22, item 4: an elastic scheduler accepted 3,000 fake joiners, each kept until the
     next commit. At most 256 wait now; the others are refused with a reason."""
-    from bps_gossip.membership import MAX_JOINING
+    from bps_gossip.scheduler.membership import MAX_JOINING
 
     job = cluster(1, env={**ELASTIC_ENV, "BPS_GOSSIP_HEARTBEAT_TIMEOUT": "20"})
     workers = job.start_workers(STEADY)

@@ -8,9 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from bps_gossip.aggregation import Contribution, Round, describe_signature
 from bps_gossip.errors import ConfigError
-from bps_gossip.membership import Membership, Node
+from bps_gossip.protocol.data import describe_signature
+from bps_gossip.scheduler.membership import Membership, Node
+from bps_gossip.server.aggregation import Contribution, Round
 
 SIG = {"dtype": "float32", "shape": [2, 3], "kind": "sum"}
 

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import zmq
 
-from bps_gossip.aggregation import SMALL_PUSH_BYTES
 from bps_gossip.config import Config
 from bps_gossip.errors import PeerLostError, TensorMismatchError
 from bps_gossip.futures import Future
-from bps_gossip.protocol.data import partitions
+from bps_gossip.protocol.data import SMALL_PUSH_BYTES, partitions
 from bps_gossip.transport import bind_random_port, recv_message, send_message
 from bps_gossip.worker.operation import Operation
 from bps_gossip.worker.scheduler_link import Book

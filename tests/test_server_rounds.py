@@ -176,7 +176,7 @@ def test_malformed_push_is_answered_with_its_req(rig):
 
 
 def test_every_small_push_is_summed_inline():
-    from bps_gossip.aggregation import SMALL_PUSH_BYTES
+    from bps_gossip.protocol.data import SMALL_PUSH_BYTES
     assert INLINE_BYTES >= SMALL_PUSH_BYTES  # no hop to the pool and back for what workers send unacknowledged
 
 

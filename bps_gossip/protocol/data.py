@@ -34,6 +34,12 @@ MAX_GENERATION = 1 << 40
 MAX_ELEMENTS = 1 << 40
 MAX_ARRAYS = 1024  # arrays in one gossip message
 ERROR_KINDS = ("mismatch", "lost", "timeout", "protocol", "changed")
+SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
+
+
+def describe_signature(sig: Mapping[str, Any]) -> str:
+    """'float32 (3, 4) sum' style text for error messages (a push's signature)."""
+    return f"{sig['dtype']} {tuple(sig['shape'])} {sig['kind']}"
 
 
 def partitions(count: int, itemsize: int, partition_bytes: int) -> list[tuple[int, int]]:

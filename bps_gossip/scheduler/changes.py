@@ -16,8 +16,8 @@ import time
 from typing import Callable
 
 from ..config import Config
-from ..membership import Membership, Node
 from ..protocol import AddressBook, BookEntry, Changed, JobOver, Message, Rejoin, Wait
+from .membership import Membership, Node
 
 Send = Callable[[bytes, Message], None]
 

@@ -1,6 +1,6 @@
 """Which registered nodes are gone: asked of the kernel on this host, else of their heartbeats.
 
-Pure bookkeeping over :class:`~bps_gossip.membership.Membership`: the scheduler decides what a
+Pure bookkeeping over :class:`~bps_gossip.scheduler.membership.Membership`: the scheduler decides what a
 loss means.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ..membership import Membership, Node
+from .membership import Membership, Node
 
 
 def why_gone(node: Node, now: float, timeout: float) -> str | None:

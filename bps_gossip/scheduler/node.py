@@ -19,7 +19,6 @@ from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, ConfigError, ProtocolError
 from ..liveness import STOP_REQUEST, WORKER_REGISTERED, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
-from ..membership import Membership, Node
 from ..protocol import (
     Barrier,
     BarrierDone,
@@ -49,6 +48,7 @@ from ..transport.security import FailedHandshakes
 from ..transport.sockets import SocketRole, open_socket
 from . import liveness
 from .changes import Changes, address_book
+from .membership import Membership, Node
 from .orphaned import LauncherWatch
 from .stalls import StallReports, heard_progress
 

@@ -14,8 +14,8 @@ import logging
 from typing import Callable
 
 from ..config import Config
-from ..membership import Membership, Node
 from ..protocol import Stalled
+from .membership import Membership, Node
 
 
 def heard_progress(node: Node, progress: int | None, now: float) -> None:

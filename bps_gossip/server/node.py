@@ -10,7 +10,6 @@ from typing import Any
 
 import zmq
 
-from ..aggregation import Contribution
 from ..config import Config, load_config, warn_if_no_secret
 from ..errors import LEFT_BEFORE_ROUND, BpsGossipError, PeerLostError, ProtocolError
 from ..liveness import raise_open_files_limit, start_ticks
@@ -36,6 +35,7 @@ from ..transport import bind_random_port
 from ..transport.receive import DropLog, drain
 from ..transport.security import FailedHandshakes, routing_id
 from ..transport.sockets import SocketRole, open_socket
+from .aggregation import Contribution
 from .outbox import Outbox
 from .pool import SumPool
 from .rounds import Rounds

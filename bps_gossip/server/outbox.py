@@ -20,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from ..aggregation import SMALL_PUSH_BYTES
 from ..protocol import Error, Message, send
+from ..protocol.data import SMALL_PUSH_BYTES
 from ..transport.receive import DropLog
 from ..transport.sockets import MAX_QUEUED_REPLIES
 

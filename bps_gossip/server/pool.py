@@ -12,8 +12,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..aggregation import Round, RoundId
 from ..sum_threads import SumThreads
+from .aggregation import Round, RoundId
 
 Done = Tuple[RoundId, Optional[str]]  # a completed round, and the error of a summation that failed
 

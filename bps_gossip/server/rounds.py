@@ -19,7 +19,6 @@ from typing import Any, Callable, Tuple
 
 import numpy as np
 
-from ..aggregation import Contribution, Round, RoundId
 from ..compression import PartitionState, codec_from_header, merge_on_server, rng_for
 from ..config import Config
 from ..errors import ProtocolError
@@ -28,6 +27,7 @@ from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments, owner_pid
 from ..transport.sockets import server_frame_limit
+from .aggregation import Contribution, Round, RoundId
 from .holdings import RoundTable, TensorNames
 from .pool import SumPool
 

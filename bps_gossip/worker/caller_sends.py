@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..aggregation import SMALL_PUSH_BYTES
+from ..protocol.data import SMALL_PUSH_BYTES
 from ..transport.receive import readable
 from .host_link import Way
 from .operation import Operation

@@ -83,7 +83,6 @@ class Engine:
         self._stale_grace = 0.0  # graceful change: when pending work of the old generation fails
         self._target_gen = 0  # the generation announced, book not here yet
         self._rejoin: Future | None = None
-        self._crashed = False  # told to the scheduler when leaving: a crash rolls an elastic job back
         self._sockets_changed = False
         self._running = True
         self._handlers: dict[type, Callable[[Any], None]] = {

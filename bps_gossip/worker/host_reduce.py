@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..aggregation import describe_signature
 from ..config import Config
 from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
 from ..protocol import Ack, Error, Message, Push, Result, send
+from ..protocol.data import describe_signature
 from ..sum_threads import SumThreads
 from ..transport.shm import AttachedSegments, owner_pid
 from .operation import Operation

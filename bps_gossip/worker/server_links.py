@@ -27,11 +27,11 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from ..aggregation import SMALL_PUSH_BYTES
 from ..config import Config
 from ..errors import PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
+from ..protocol.data import SMALL_PUSH_BYTES
 from ..transport import endpoint_host, send_message
 from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool

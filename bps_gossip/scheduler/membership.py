@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclasses.dataclass

@@ -15,11 +15,10 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from . import fields
-from .compression import Codec
+from ..compression import Codec
+from ..protocol.data import describe_signature
 
 RoundId = Tuple[int, int, int, int]  # (generation, key, partition, round number)
-SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
 
 
 @dataclasses.dataclass
@@ -31,11 +30,6 @@ class Contribution:
     route: bytes
     req: int
     region: np.ndarray | None = None  # the worker's shared-memory region: the sum goes back there
-
-
-def describe_signature(sig: dict[str, Any]) -> str:
-    """'float32 (3, 4) sum' style text for error messages."""
-    return f"{sig['dtype']} {tuple(sig['shape'])} {sig['kind']}"
 
 
 class Round:
@@ -104,18 +98,3 @@ class Round:
             if push.region is not None and self.acc is not None and push.region is not self.acc:
                 np.copyto(push.region, self.acc)
 
-
-def validate_push(header: dict[str, Any], payload_len: int) -> tuple[dict[str, Any], str, int]:
-    """Check a push header's fields and payload size; return (signature, wire dtype, count).
-
-    Raises ValueError or ProtocolError (with the reason) for a malformed push.
-    """
-    sig = {"dtype": fields.text(header, "dtype", 16), "shape": fields.integers(header, "shape", 32),
-           "kind": fields.text(header, "kind", 1024)}
-    wire = np.dtype(fields.text(header, "wire", 16))
-    if wire.kind not in "fiub":
-        raise ValueError(f"unsupported wire dtype {wire}")
-    count = fields.integer(header, "count", 0, 1 << 40)
-    if count * wire.itemsize != payload_len:
-        raise ValueError(f"payload of {payload_len} bytes does not hold {count} x {wire}")
-    return sig, wire.str, count
