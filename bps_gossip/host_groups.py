@@ -17,36 +17,52 @@ leader's sums are the results, with no server's hop; gossip keeps to ``host_grou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .transport.framing import endpoint_host
+
+if TYPE_CHECKING:
+    from .protocol.control import BookEntry
 
 HOST_REDUCE_MODES = ("auto", "on", "off")  # BPS_GOSSIP_HOST_REDUCE
 
 
-def host_groups(addrs: Sequence[str], modes: Sequence[str], servers: Sequence[str]) -> list[tuple[int, ...]]:
+def same_host(a: BookEntry, b: BookEntry) -> bool:
+    """Whether two workers of an address book run on one machine (their gossip endpoints' host)."""
+    return endpoint_host(a.addr) == endpoint_host(b.addr)
+
+
+def host_groups(workers: Sequence[BookEntry], servers: Sequence[str]) -> list[tuple[int, ...]]:
     """The ranks of each host, each group in rank order and the groups by their leader (lowest
-    rank); ``addrs[rank]`` is a worker's gossip endpoint, ``modes[rank]`` its host-reduce mode,
-    ``servers`` the servers' endpoints. Every rank is alone unless the job reduces by host
-    (module docstring)."""
-    alone = [(rank,) for rank in range(len(addrs))]
+    rank); ``workers`` are the address book's entries in rank order (their gossip endpoints and
+    host-reduce modes), ``servers`` the servers' endpoints. Every rank is alone unless the job
+    reduces by host (module docstring). Gossip goes by these groups."""
+    modes = [worker.host_reduce for worker in workers]
+    alone = [(rank,) for rank in range(len(workers))]
     if "off" in modes:
         return alone
     by_host: dict[str, list[int]] = {}
-    for rank, addr in enumerate(addrs):
-        by_host.setdefault(endpoint_host(addr), []).append(rank)
+    for rank, worker in enumerate(workers):
+        by_host.setdefault(endpoint_host(worker.addr), []).append(rank)
     groups = sorted((tuple(ranks) for ranks in by_host.values()), key=lambda group: group[0])
     if "on" in modes:
         return groups
-    shared = {endpoint_host(addrs[group[0]]) for group in groups if len(group) > 1}
+    shared = {endpoint_host(workers[group[0]].addr) for group in groups if len(group) > 1}
     return groups if any(endpoint_host(server) not in shared or len(shared) > 1 for server in servers) \
         and shared else alone
 
 
-def one_host_job(addrs: Sequence[str], modes: Sequence[str]) -> bool:
+def one_host_job(workers: Sequence[BookEntry]) -> bool:
     """Whether every worker of the job is on one host and none turned the host reduce off: its
     leader's sums are then push_pull's results and the servers take no uncompressed push
     (bps_gossip.worker.host_link; gossip keeps to ``host_groups``)."""
-    return len(addrs) > 1 and "off" not in modes and len({endpoint_host(addr) for addr in addrs}) == 1
+    return len(workers) > 1 and all(worker.host_reduce != "off" for worker in workers) \
+        and len({endpoint_host(worker.addr) for worker in workers}) == 1
+
+
+def push_pull_groups(workers: Sequence[BookEntry], servers: Sequence[str]) -> list[tuple[int, ...]]:
+    """The groups push_pull reduces by: the whole job where one host holds it, else ``host_groups``."""
+    return [tuple(range(len(workers)))] if one_host_job(workers) else host_groups(workers, servers)
 
 
 def group_of(groups: Sequence[tuple[int, ...]], rank: int) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ averagers = {n: GossipAverager({"w": np.zeros(int(math.exp(pool.uniform(0, math.
 book = _rt("soak").engine.book
 raw = []
 if attack and rank == 0:
-    for address in book.servers + [book.workers[1]["addr"]]:
+    for address in book.servers + [book.workers[1].addr]:
         sock = make_socket(zmq.Context.instance(), zmq.DEALER, load_config().keys, serve=False)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)

@@ -95,8 +95,8 @@ for server in book.servers:
     sent += attack(server, {**PUSH, "rank": rank, "gen": book.generation}, rng, payloads)
     sent += oversized(server, PUSH, count=1)  # 64 MiB: above the servers' frame limit too
 peer = (rank + 1) % size
-sent += attack(book.workers[peer]["addr"], {**GOSSIP, "src": rank}, rng, payloads)
-sent += attack(book.workers[peer]["addr"], {**ACK, "src": rank}, rng, payloads)
+sent += attack(book.workers[peer].addr, {**GOSSIP, "src": rank}, rng, payloads)
+sent += attack(book.workers[peer].addr, {**ACK, "src": rank}, rng, payloads)
 bps.barrier()
 
 total = bps.push_pull(np.full(5, rank + 1.0), "after_fuzz", average=False)

@@ -222,7 +222,7 @@ def test_a_member_cannot_open_barriers_without_end(cluster):
 STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import api
 engine = api._rt("test").engine
 bps.push_pull(np.ones(1, np.float32), "warm-up")
-print("UID", engine.uid.hex(), engine.book.servers[0], engine.book.workers[1]["addr"], flush=True)""")
+print("UID", engine.uid.hex(), engine.book.servers[0], engine.book.workers[1].addr, flush=True)""")
 
 
 @pytest.mark.timeout(90)

@@ -16,6 +16,7 @@ import zmq
 from bps_gossip.config import Config
 from bps_gossip.errors import CommTimeoutError, PeerLostError, ProtocolError
 from bps_gossip.futures import Future
+from bps_gossip.protocol import BookEntry
 from bps_gossip.worker.commands import PeerExpect, PeerSend
 from bps_gossip.worker.peer_endpoint import PeerEndpoint
 from bps_gossip.worker.scheduler_link import Book
@@ -38,8 +39,8 @@ def pair():
 
 
 def book(rank, ends, generation):
-    workers = [{"rank": i, "uid": uid.hex(), "addr": end.address, "host": "127.0.0.1", "pid": 1, "local_rank": i,
-                "local_size": 2} for i, (uid, end) in enumerate(zip(UIDS, ends))]
+    workers = [BookEntry(rank=i, uid=uid.hex(), addr=end.address, host="127.0.0.1", pid=1, local_rank=i, local_size=2)
+               for i, (uid, end) in enumerate(zip(UIDS, ends))]
     return Book(rank=rank, size=2, local_rank=rank, local_size=2, generation=generation, servers=[], workers=workers)
 
 

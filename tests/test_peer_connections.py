@@ -20,10 +20,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _book(generation: int, peers: list[str]):
+    from bps_gossip.protocol import BookEntry
     from bps_gossip.worker.scheduler_link import Book
 
-    workers = [{"uid": (b"me" * 4).hex(), "addr": "tcp://127.0.0.1:9"}]
-    workers += [{"uid": bytes([65 + i]).hex() * 4, "addr": addr} for i, addr in enumerate(peers)]
+    uids = [(b"me" * 4).hex()] + [bytes([65 + i]).hex() * 4 for i in range(len(peers))]
+    workers = [BookEntry(rank=rank, uid=uid, addr=addr, host="127.0.0.1", pid=1, local_rank=0, local_size=1)
+               for rank, (uid, addr) in enumerate(zip(uids, ["tcp://127.0.0.1:9", *peers]))]
     return Book(rank=0, size=len(workers), local_rank=0, local_size=1, generation=generation, servers=[],
                 workers=workers)
 

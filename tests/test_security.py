@@ -84,7 +84,7 @@ def test_a_process_without_the_secret_is_refused_everywhere(cluster):
                         {"op": "push", "req": 1, "key": 1, "name": "x", "part": 0, "seq": 0, "count": 1,
                          "wire": "<f8", "dtype": "float64", "shape": [1], "kind": "sum", "gen": book.generation},
                         [np.full(1, 1e9).tobytes()]),
-                answers(raw_socket(book.workers[1 - bps.rank()]["addr"], keys),
+                answers(raw_socket(book.workers[1 - bps.rank()].addr, keys),
                         {"op": "gossip", "tag": "g", "round": 0, "gen": book.generation, "keys": ["w"],
                          "weight": 0.5, "dtypes": ["<f8"], "counts": [3]}, [np.full(3, 1e9).tobytes()]),
             ]
@@ -128,7 +128,7 @@ def test_identity_comes_from_the_address_book(cluster):
                      answers(server, {**push, "name": "x", "gen": book.generation + 5}, [np.zeros(4).tobytes()],
                              wait_ms=6000)]
             out["spoof"] = [(h["op"], h.get("kind"), h.get("why")) for h in spoof]
-            peer = raw_socket(book.workers[1]["addr"], keys)
+            peer = raw_socket(book.workers[1].addr, keys)
             out["gossip"] = answers(peer, {"op": "gossip", "tag": "g", "round": 0, "src": 0, "gen": book.generation,
                                            "keys": ["w"], "weight": 0.5, "dtypes": ["<f8"], "counts": [3]},
                                     [np.full(3, 1e9).tobytes()])

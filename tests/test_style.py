@@ -278,3 +278,27 @@ def test_packages_import_no_cycle(package):
             found |= _targets(name, path, node, modules)
         graph[name] = {t for t in found - {name} if not (modules[t].name == "__init__.py" and name.startswith(t + "."))}
     assert _import_cycle(graph) is None, f"import cycle in {package}: {_import_cycle(graph)}"
+
+
+BOOK_DICT_READ = re.compile(r"""workers\[[^\]]*\]\[|\b(?:w|worker|entry|me)\[["'](?:addr|uid|pid|host|host_reduce|local_rank|local_size)["']\]"""
+                            r"""|workers\[[^\]]*\]\.get\(""")
+
+
+def test_address_book_entries_are_read_typed():
+    """A worker's address-book entry is a BookEntry everywhere past decoding (``.addr``, not ``["addr"]``);
+    the scheduler's Membership builds the wire form and is the one place that writes it as a map."""
+    offenders = []
+    for path in sorted([*(ROOT / "bps_gossip").rglob("*.py"), *(ROOT / "mxnet_plugin").rglob("*.py"),
+                        *(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        if path.name in {"membership.py", "test_style.py", "test_rounds_membership.py"}:
+            continue
+        offenders += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                      if BOOK_DICT_READ.search(line)]
+    assert not offenders, f"address-book entries read as maps: {offenders}"
+
+
+def test_book_dict_read_pattern_catches_the_old_forms():
+    for line in ('book.workers[dst]["addr"]', "self.workers[rank]['addr']", 'ranks = [w["uid"] for w in workers]',
+                 'self.workers[src].get("pid")'):
+        assert BOOK_DICT_READ.search(line), line
+    assert not BOOK_DICT_READ.search("book.workers[dst].addr")

@@ -77,7 +77,7 @@ class Rounds:
         self.ranks = {w.routing_id: index for index, w in enumerate(book.workers)}
         self.pids = [w.pid for w in book.workers]
         self.pushes_by_rank = [0] * self.size
-        groups = host_groups([w.addr for w in book.workers], [w.host_reduce for w in book.workers], book.servers)
+        groups = host_groups(book.workers, book.servers)
         self.leaders = frozenset(group[0] for group in groups if len(group) > 1)
         if self.leaders:  # ranks that are alone on their host push for themselves, as leaders do
             self.leaders = frozenset(group[0] for group in groups)

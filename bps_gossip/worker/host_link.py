@@ -25,7 +25,7 @@ import zmq
 
 from ..config import Config
 from ..errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
-from ..host_groups import group_of, host_groups, one_host_job
+from ..host_groups import group_of, push_pull_groups
 from ..protocol import Error, Push, send
 from ..sum_threads import SumThreads
 from ..transport.sockets import SocketRole, open_socket
@@ -76,8 +76,7 @@ class HostLink:
         old, self.sock = self.sock, None
         if old is not None:
             old.close(linger=0)
-        addrs, modes = [w["addr"] for w in book.workers], [w.get("host_reduce", "off") for w in book.workers]
-        groups = [tuple(range(len(addrs)))] if one_host_job(addrs, modes) else host_groups(addrs, modes, book.servers)
+        groups = push_pull_groups(book.workers, book.servers)
         group = group_of(groups, book.rank)
         self.hosting = any(len(g) > 1 for g in groups)
         self.whole_job = len(groups) == 1 and self.hosting
@@ -90,7 +89,7 @@ class HostLink:
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:
             self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, host_route(self.uid, book.generation))
-            self.sock.connect(book.workers[self.leader]["addr"])
+            self.sock.connect(book.workers[self.leader].addr)
         early, self._early = self._early, []
         for since, route, push in early:
             self._take(since, route, push)

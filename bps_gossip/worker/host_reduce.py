@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
-from ..protocol import Ack, Error, Message, Push, Result, send
+from ..protocol import Ack, BookEntry, Error, Message, Push, Result, send
 from ..protocol.data import describe_signature
 from ..sum_threads import SumThreads
 from ..transport.shm import AttachedSegments, owner_pid
@@ -100,7 +100,7 @@ class HostRounds:
     own operation; ``sock`` is the leader's peer ROUTER, the locals' replies go out on it."""
 
     def __init__(self, config: Config, rank: int, generation: int, members: tuple[int, ...],
-                 workers: list[dict[str, Any]], push: Callable[[Operation, int], None],
+                 workers: list[BookEntry], push: Callable[[Operation, int], None],
                  fail: Callable[[Operation, BpsGossipError], None],
                  poison: Callable[[HostRoundId, str, dict[str, Any], str], None], *,
                  finish: bool = False, threads: SumThreads | None = None) -> None:
@@ -112,8 +112,8 @@ class HostRounds:
         self.generation = generation
         self.members = members
         self.locals = frozenset(members) - {rank}
-        self.ranks = {host_route(bytes.fromhex(w["uid"]), generation): index for index, w in enumerate(workers)}
-        self.pids = [w["pid"] for w in workers]
+        self.ranks = {host_route(bytes.fromhex(w.uid), generation): index for index, w in enumerate(workers)}
+        self.pids = [w.pid for w in workers]
         self.push = push
         self.fail_own = fail
         self.poison = poison

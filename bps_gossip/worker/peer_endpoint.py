@@ -59,7 +59,7 @@ class PeerEndpoint:
         if self.channel is not None:
             kept = self.channel.connections()  # the same peers keep their connections
             self.channel.close()
-        addresses = {w["addr"] for w in book.workers}
+        addresses = {w.addr for w in book.workers}
         for addr in [a for a in kept if a not in addresses]:  # peers no longer in the job
             kept.pop(addr).close()
         self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config, self.log,

@@ -75,8 +75,7 @@ class PeerLink:
         book = engine.book if engine is not None else None
         if book is not None and engine.segments is not None:
             self._local = frozenset(i for i in range(book.size) if i != book.rank and book.same_host(i))
-            self._groups = host_groups([w["addr"] for w in book.workers],
-                                       [w.get("host_reduce", "off") for w in book.workers], book.servers)
+            self._groups = host_groups(book.workers, book.servers)
 
     def host_groups(self) -> list[tuple[int, ...]]:
         """The ranks of each host when the job reduces by host (bps_gossip.host_groups), the

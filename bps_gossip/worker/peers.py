@@ -33,8 +33,8 @@ from ..compat import zip_exact
 from ..config import Config
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
-from ..protocol import Gossip, GossipAck, GossipWaiting, send
-from ..transport import endpoint_host
+from ..host_groups import same_host
+from ..protocol import BookEntry, Gossip, GossipAck, GossipWaiting, send
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
 from ..transport.sockets import SocketRole, open_socket
 from .wait_notices import WaitNotices
@@ -66,7 +66,7 @@ class PeerWait:
 class PeerChannel:
     """Sends to and collects from other workers; every method runs on the engine thread."""
 
-    def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[dict[str, Any]],
+    def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[BookEntry],
                  config: Config, log: Any, generation: int = 0,
                  connections: dict[str, zmq.Socket] | None = None,
                  entered: Callable[[str], int] | None = None) -> None:
@@ -76,7 +76,7 @@ class PeerChannel:
         timeout = config.timeout
         self.rank = rank
         self.workers = workers
-        self.ranks = {bytes.fromhex(w["uid"]): index for index, w in enumerate(workers)}
+        self.ranks = {bytes.fromhex(w.uid): index for index, w in enumerate(workers)}
         self.pending: dict[int, list[int]] = {}  # source -> [messages, bytes] nobody waits for yet
         self.timeout = timeout
         self.log = log
@@ -102,7 +102,7 @@ class PeerChannel:
         """Whether worker ``dst`` runs on this host, so payloads can go through shared memory."""
         if self.pool is None or not 0 <= dst < len(self.workers):
             return False
-        return endpoint_host(self.workers[dst]["addr"]) == endpoint_host(self.workers[self.rank]["addr"])
+        return same_host(self.workers[dst], self.workers[self.rank])
 
     # -- sending ------------------------------------------------------------------
     def send(self, dst: int, header: dict[str, Any], arrays: list[np.ndarray],
@@ -154,7 +154,7 @@ class PeerChannel:
     def _send(self, dst: int, msg: Gossip | GossipAck | GossipWaiting, frames: list[Any]) -> None:
         sock = self.dealers.get(dst)
         if sock is None:
-            addr = self.workers[dst]["addr"]
+            addr = self.workers[dst].addr
             sock = self.spare.pop(addr, None)
             if sock is None:
                 sock = open_socket(self.ctx, SocketRole.TO_PEER, self.config, self.uid)
@@ -212,7 +212,7 @@ class PeerChannel:
         if self.pool is None or not self.is_local(src):
             raise ProtocolError(f"gossip message from rank {src} names a shared-memory segment it cannot share")
         dtypes, counts, offsets, name = msg.dtypes, msg.counts, msg.offsets, msg.shm
-        if owner_pid(name) != self.workers[src].get("pid"):
+        if owner_pid(name) != self.workers[src].pid:
             raise ProtocolError(f"gossip message from rank {src} names segment {name!r}, which is not its own")
         try:
             arrays = []
@@ -328,7 +328,7 @@ class PeerChannel:
     def connections(self) -> dict[str, zmq.Socket]:
         """Hand over the DEALERs by peer address (for the next generation's channel): close()
         leaves them open."""
-        handed = {**self.spare, **{self.workers[dst]["addr"]: sock for dst, sock in self.dealers.items()}}
+        handed = {**self.spare, **{self.workers[dst].addr: sock for dst, sock in self.dealers.items()}}
         self.dealers, self.spare = {}, {}
         return handed
 

@@ -20,12 +20,14 @@ import zmq
 from ..config import Config
 from ..errors import BpsGossipError, JobEndedError, JobFailedError, PeerLostError
 from ..futures import Future, complete, fail
+from ..host_groups import same_host
 from ..liveness import start_ticks
 from ..protocol import (
     AddressBook,
     Barrier,
     BarrierDone,
     BarrierFailed,
+    BookEntry,
     Bye,
     Changed,
     Commit,
@@ -49,7 +51,7 @@ from ..protocol import (
     send,
 )
 from ..rendezvous import join
-from ..transport import endpoint_host, recv_message
+from ..transport import recv_message
 from ..transport.receive import MALFORMED, DropLog, drain
 from ..transport.sockets import SocketRole, open_socket
 
@@ -64,12 +66,12 @@ class Book:
     local_size: int
     generation: int
     servers: list[str]
-    workers: list[dict[str, Any]]  # uid (hex routing id), addr (gossip endpoint), host, pid, ...
+    workers: list[BookEntry]  # in rank order
     restore: bool = False  # elastic: roll back to the last commit (something crashed)
 
     def same_host(self, rank: int) -> bool:
         """Whether worker ``rank`` runs on this worker's machine (its gossip endpoint's host)."""
-        return endpoint_host(self.workers[rank]["addr"]) == endpoint_host(self.workers[self.rank]["addr"])
+        return same_host(self.workers[rank], self.workers[self.rank])
 
     @classmethod
     def of(cls, book: AddressBook) -> Book:
@@ -77,7 +79,7 @@ class Book:
         me = book.workers[book.rank]
         return cls(rank=book.rank, size=len(book.workers), local_rank=me.local_rank, local_size=me.local_size,
                    generation=book.generation, servers=list(book.servers),
-                   workers=[dataclasses.asdict(entry) for entry in book.workers], restore=book.restore)
+                   workers=list(book.workers), restore=book.restore)
 
 
 class Listener(Protocol):
