@@ -11,6 +11,7 @@ from .api import (
     init,
     is_elastic,
     is_initialized,
+    job_config,
     local_rank,
     local_size,
     plan_servers,
@@ -47,7 +48,7 @@ __all__ = [
     "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "HostsUpdatedInterrupt",
     "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "RanksOutOfStepError",
     "TensorMismatchError", "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check",
-    "declare", "generation", "init", "is_elastic", "is_initialized", "load_config", "local_rank", "local_size",
+    "declare", "generation", "init", "is_elastic", "is_initialized", "job_config", "load_config", "local_rank", "local_size",
     "plan_servers", "poll", "push_pull", "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown",
     "size", "synchronize",
 ]

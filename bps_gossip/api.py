@@ -56,6 +56,7 @@ def init(config: Config | None = None) -> None:
         if _state.peek() is not None:
             return
         config = load_config() if config is None else config
+        _state.remember(config)
         if config.role != "worker":
             raise ConfigError(
                 f"DMLC_ROLE={config.role}: init() is for workers; start a {config.role} with "
@@ -78,6 +79,13 @@ def init(config: Config | None = None) -> None:
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+
+
+def job_config() -> Config:
+    """This process's configuration: the running job's, else the one init() last read or was
+    given, else the environment read once. The plugin takes every setting from here: no other
+    module parses the environment (bps_gossip.config does)."""
+    return _state.process_config(load_config)
 
 
 def _where() -> str:

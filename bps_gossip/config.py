@@ -11,17 +11,16 @@ when every machine runs the same number of processes.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
 from . import placement
 from .errors import ConfigError
 from .host_groups import HOST_REDUCE_MODES
+from .transport.addresses import default_node_host, is_ip
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
@@ -73,6 +72,8 @@ class Config:
     trace_dir: str = "."
     mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS) or auto
     auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
+    overlap_backward: bool = True  # the plugin's push_pulls run inside MXNet's engine (mxnet_plugin.overlap)
+    shm_gradients: bool = True  # the plugin's gradients live in shared memory (mxnet_plugin.shared_gradients)
     max_message_bytes: int = 1 << 30  # the largest gossip array (a peer socket drops larger frames)
     keys: JobKeys | None = dataclasses.field(default=None, repr=False)  # CURVE, from BPS_GOSSIP_SECRET
     no_secret_noted: bool = False  # NO_SECRET_NOTED_VAR: the launcher said it once for the job
@@ -236,55 +237,9 @@ def _host(env: Mapping[str, str], name: str, default: str) -> str:
     raw = _get(env, name)
     if raw is None:
         return default
-    if any(c.isspace() for c in raw) or "/" in raw or ":" in raw and not _is_ip(raw):
+    if any(c.isspace() for c in raw) or "/" in raw or ":" in raw and not is_ip(raw):
         raise ConfigError(f"{name}={raw!r} is not a host name or IP address")
     return raw
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _default_node_host(root_uri: str, root_port: int | None) -> str:
-    """The address others reach this process at when DMLC_NODE_HOST is unset: 127.0.0.1 for a
-    loopback scheduler; else what this host's name resolves to (in a Kubernetes pod, the pod's
-    IP: the kubelet writes it into /etc/hosts); if that is a loopback address or does not
-    resolve, the local address of the route to the scheduler."""
-    if _is_loopback(root_uri):
-        return "127.0.0.1"
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        address = None
-    if address is not None and not _is_loopback(address):
-        return address
-    return route_source(root_uri, root_port or 9) or address or "127.0.0.1"
-
-
-def route_source(host: str, port: int) -> str | None:
-    """The local IPv4 address this host would use to reach ``host``, or None.
-
-    Connecting a UDP socket only asks the kernel for a route: no packet is sent.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))
-            return probe.getsockname()[0]
-    except OSError:  # an unresolvable name (a Service not yet in DNS), no route
-        return None
 
 
 def load_config(env: Mapping[str, str] | None = None) -> Config:
@@ -306,7 +261,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     config = Config(
         role=role,
         **shape,
-        node_host=_host(env, "DMLC_NODE_HOST", "") or _default_node_host(shape["root_uri"], shape["root_port"]),
+        node_host=_host(env, "DMLC_NODE_HOST", "") or default_node_host(shape["root_uri"], shape["root_port"]),
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
@@ -324,6 +279,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         **_trace(env),
         mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
         auto_window=_int(env, "BPS_GOSSIP_AUTO_WINDOW", 10, minimum=1),
+        overlap_backward=env_flag(env, "BPS_GOSSIP_OVERLAP_BACKWARD", True),
+        shm_gradients=env_flag(env, "BPS_GOSSIP_SHM_GRADIENTS", True),
         max_message_bytes=_int(env, "BPS_GOSSIP_MAX_MESSAGE_BYTES", 1 << 30, minimum=1 << 20),
         keys=_job_keys(env),
         no_secret_noted=env_flag(env, NO_SECRET_NOTED_VAR, False),

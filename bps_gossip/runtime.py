@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Callable
 
 from .compression import PartitionState
 from .config import Config
@@ -53,6 +54,7 @@ class Runtime:
 
 
 _current: Runtime | None = None
+_read: Config | None = None  # the environment as this process last read it (init() or job_config())
 lock = threading.Lock()  # held while init() and shutdown() change the current runtime
 
 
@@ -74,3 +76,21 @@ def replace(runtime: Runtime | None) -> Runtime | None:
     global _current
     previous, _current = _current, runtime
     return previous
+
+
+def process_config(read: Callable[[], Config]) -> Config:
+    """The running job's Config, else the one this process read last, else ``read()`` once."""
+    global _read
+    runtime = _current
+    if runtime is not None:
+        return runtime.config
+    if _read is None:
+        _read = read()
+    return _read
+
+
+def remember(config: Config | None) -> None:
+    """Keep ``config`` as this process's configuration (init() read or was given it); None: read
+    the environment again at the next job_config()."""
+    global _read
+    _read = config

@@ -54,12 +54,12 @@ def suspend() -> None:
 
 
 def resume(num_workers: int, num_servers: int, global_rank: int | None = None, context: object = None) -> None:
-    """BytePS's resume(): set DMLC_NUM_WORKER and DMLC_NUM_SERVER, then init() again.
+    """BytePS's resume(): init() again with DMLC_NUM_WORKER and DMLC_NUM_SERVER taken as given
+    (this process's environment is read, not changed).
 
     Ranks come from the scheduler (``global_rank`` is accepted and not used): in an elastic
     job the worker is admitted again at the next commit; a job that is not elastic refuses
     a worker once it has started, so there resume() fits only a job that is restarting.
     """
-    _os.environ["DMLC_NUM_WORKER"] = str(int(num_workers))
-    _os.environ["DMLC_NUM_SERVER"] = str(int(num_servers))
-    init()
+    environment = {**_os.environ, "DMLC_NUM_WORKER": str(int(num_workers)), "DMLC_NUM_SERVER": str(int(num_servers))}
+    init(_core.load_config(environment))

@@ -16,8 +16,7 @@ from .ops import finish_push_pull, push_pull_async
 def refuse_in_elastic_job(what: str) -> None:
     """Raise ConfigError in an elastic job (BPS_GOSSIP_ELASTIC=1): ``what`` keeps state that
     no elastic State restores, so a worker change would leave the ranks apart."""
-    elastic = core.is_elastic() if core.is_initialized() else core.load_config().elastic
-    if elastic:
+    if core.job_config().elastic:
         raise core.ConfigError(
             f"{what} is not elastic: in an elastic job (BPS_GOSSIP_ELASTIC=1) a change of workers "
             "would leave its state behind on some ranks. Use DistributedTrainer inside elastic.run "

@@ -45,19 +45,16 @@ import numpy as np
 
 import bps_gossip as core
 from bps_gossip.api import wait_timeout
-from bps_gossip.config import env_flag
 
 from .engine_ops import Done, push_async
 from .layouts import make_default, raw_view
-
-ENV = "BPS_GOSSIP_OVERLAP_BACKWARD"
 
 log = logging.getLogger("bps_gossip.mxnet_plugin")
 
 
 def enabled_by_default() -> bool:
-    """``BPS_GOSSIP_OVERLAP_BACKWARD`` (1, the default, or 0)."""
-    return env_flag(os.environ, ENV, True)
+    """``BPS_GOSSIP_OVERLAP_BACKWARD`` (1, the default, or 0), as the job's Config read it."""
+    return core.job_config().overlap_backward
 
 
 class _Rounds:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Callable
 
 import mxnet as mx
@@ -36,11 +35,9 @@ import numpy as np
 from mxnet.base import _LIB, NDArrayHandle, check_call
 
 import bps_gossip as core
-from bps_gossip.config import env_flag
 
 from .fusion import nbytes_of
 
-ENV = "BPS_GOSSIP_SHM_GRADIENTS"
 ALIGN = 64  # each group starts on a cache line
 log = logging.getLogger("bps_gossip.mxnet_plugin")
 
@@ -68,8 +65,8 @@ _CPU = 1
 
 
 def enabled() -> bool:
-    """``BPS_GOSSIP_SHM_GRADIENTS`` (1, the default, or 0)."""
-    return env_flag(os.environ, ENV, True)
+    """``BPS_GOSSIP_SHM_GRADIENTS`` (1, the default, or 0), as the job's Config read it."""
+    return core.job_config().shm_gradients
 
 
 def array_over(memory: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> mx.nd.NDArray:

@@ -40,3 +40,14 @@ def cluster(tmp_path):
     yield make
     for job in made:
         job.close()
+
+
+@pytest.fixture(autouse=True)
+def environment_read_fresh():
+    """bps_gossip reads the environment once per process (bps_gossip.job_config); an in-process
+    test that sets variables gets them read again, before it and after it."""
+    from bps_gossip import runtime
+
+    runtime.remember(None)
+    yield
+    runtime.remember(None)

@@ -245,3 +245,35 @@ def test_bad_secret_is_named_but_never_shown(env, why):
     assert "BPS_GOSSIP_SECRET" in text and "short" not in text and "a" * 16 not in text and "abab" not in text
     if why == "too weak":
         assert "secrets.token_hex(32)" in text  # says how to make one
+
+
+def test_the_environment_is_read_once_and_then_the_job_config_is_used(monkeypatch):
+    """bps_gossip.job_config(): what the plugin reads every setting from. Before init() the
+    environment is read once (a change after that is not seen); init() makes its Config the
+    process's; mxnet_plugin's switches come from it (no module of the plugin parses a variable)."""
+    import bps_gossip
+    from bps_gossip import runtime
+
+    monkeypatch.setenv("BPS_GOSSIP_MODE", "allreduce")
+    monkeypatch.setenv("BPS_GOSSIP_OVERLAP_BACKWARD", "0")
+    runtime.remember(None)
+    try:
+        assert bps_gossip.job_config().mode == "allreduce" and not bps_gossip.job_config().overlap_backward
+        monkeypatch.setenv("BPS_GOSSIP_MODE", "auto")
+        assert bps_gossip.job_config().mode == "allreduce"  # read once
+        bps_gossip.init(load_config({"BPS_GOSSIP_MODE": "auto", "BPS_GOSSIP_SHM_GRADIENTS": "0"}))  # one worker: alone
+        try:
+            assert bps_gossip.job_config().mode == "auto" and not bps_gossip.job_config().shm_gradients
+        finally:
+            bps_gossip.shutdown()
+        assert bps_gossip.job_config().mode == "auto"  # the last one init() took
+    finally:
+        runtime.remember(None)
+
+
+def test_plugin_switches_are_config_fields():
+    config = load_config({"BPS_GOSSIP_OVERLAP_BACKWARD": "0", "BPS_GOSSIP_SHM_GRADIENTS": "off"})
+    assert not config.overlap_backward and not config.shm_gradients
+    assert load_config({}).overlap_backward and load_config({}).shm_gradients
+    with pytest.raises(ConfigError, match="BPS_GOSSIP_SHM_GRADIENTS='maybe'"):
+        load_config({"BPS_GOSSIP_SHM_GRADIENTS": "maybe"})

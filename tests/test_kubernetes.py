@@ -20,6 +20,7 @@ from cluster import assert_all_ok, free_port
 
 from bps_gossip import ConfigError, config, load_config
 from bps_gossip.scheduler import Scheduler, bind_host
+from bps_gossip.transport import addresses
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md"
 SERVICE_ADDRESS = "192.0.2.1"  # not an address of this host: binding it fails
@@ -51,7 +52,7 @@ def test_use_kubernetes_bad_value_names_the_variable(raw):
 def test_route_source_on_loopback():
     """The fallback for DMLC_NODE_HOST when the host name resolves to loopback: the kernel's route
     (a UDP connect sends nothing)."""
-    assert config.route_source("127.0.0.1", 9) == "127.0.0.1"
+    assert addresses.route_source("127.0.0.1", 9) == "127.0.0.1"
 
 
 def test_scheduler_binds_every_interface(tmp_path):
@@ -162,7 +163,7 @@ def test_manifest_environment_loads_for_every_role(tmp_path, monkeypatch):
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef" * 4 + "\n")
     # No DNS: the pod's host name "resolves" to a pod IP, as the kubelet's /etc/hosts makes it.
-    monkeypatch.setattr(config.socket, "gethostbyname", lambda name: "10.244.1.7")
+    monkeypatch.setattr(addresses.socket, "gethostbyname", lambda name: "10.244.1.7")
     roles = {}
     for document in _manifest():
         env = _env(document)
@@ -191,11 +192,11 @@ def test_manifest_parses():
 def test_default_node_host_in_a_pod(monkeypatch):
     """DMLC_NODE_HOST unset: the pod's IP from its host name; if the host name resolves to a
     loopback address, the local end of the route to the scheduler (both faked: no DNS here)."""
-    monkeypatch.setattr(config.socket, "gethostbyname", lambda name: "10.244.1.7")
+    monkeypatch.setattr(addresses.socket, "gethostbyname", lambda name: "10.244.1.7")
     env = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "digits-scheduler-0", "DMLC_PS_ROOT_PORT": "9091"}
     assert load_config(env).node_host == "10.244.1.7"
-    monkeypatch.setattr(config.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(addresses.socket, "gethostbyname", lambda name: "127.0.1.1")
     routes = []
-    monkeypatch.setattr(config, "route_source", lambda host, port: routes.append((host, port)) or "10.244.1.8")
+    monkeypatch.setattr(addresses, "route_source", lambda host, port: routes.append((host, port)) or "10.244.1.8")
     assert load_config(env).node_host == "10.244.1.8" and routes == [("digits-scheduler-0", 9091)]
     assert load_config({**env, "DMLC_NODE_HOST": "10.0.0.3"}).node_host == "10.0.0.3"

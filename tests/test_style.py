@@ -302,3 +302,22 @@ def test_book_dict_read_pattern_catches_the_old_forms():
                  'self.workers[src].get("pid")'):
         assert BOOK_DICT_READ.search(line), line
     assert not BOOK_DICT_READ.search("book.workers[dst].addr")
+
+
+ENVIRONMENT_READ = re.compile(r"\bos\.environ\b|\bgetenv\(|\benviron\.get\(")
+# Where the environment may be read or written: the one parser, and what places or launches processes.
+ENVIRONMENT_MODULES = {"bps_gossip/config.py", "bps_gossip/placement.py", "bps_gossip/scheduler/orphaned.py"}
+
+
+def test_only_config_parses_the_environment():
+    """One Config per process: bps_gossip.config parses every variable (the plugin asks
+    bps_gossip.job_config()); besides it only the launcher, placement (OpenMP's variables for
+    what it places) and the scheduler's watch on bpslaunch (its private hand-over) touch os.environ."""
+    offenders = []
+    for path in sorted([*(ROOT / "bps_gossip").rglob("*.py"), *(ROOT / "mxnet_plugin").rglob("*.py")]):
+        where = str(path.relative_to(ROOT))
+        if where in ENVIRONMENT_MODULES or where.startswith("bps_gossip/launch/"):
+            continue
+        offenders += [f"{where}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                      if ENVIRONMENT_READ.search(line)]
+    assert not offenders, f"environment read outside bps_gossip/config.py: {offenders}"

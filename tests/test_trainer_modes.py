@@ -12,6 +12,7 @@ import mxnet as mx
 import pytest
 
 import mxnet_plugin as bps
+from bps_gossip import runtime
 from bps_gossip.config import TRAINER_MODES
 from bps_gossip.gossip.graphs import Ring
 from mxnet_plugin.modes import (
@@ -77,6 +78,7 @@ def test_default_mode_follows_the_job(monkeypatch):
     monkeypatch.delenv("BPS_GOSSIP_MODE", raising=False)
     assert mode_class(None) is GossipMode
     monkeypatch.setenv("BPS_GOSSIP_MODE", "allreduce")
+    runtime.remember(None)  # the environment is read once per process: read it again
     assert mode_class(None) is AllreduceMode
     assert mode_class("gossip") is GossipMode  # an explicit mode wins
 

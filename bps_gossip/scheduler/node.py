@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import signal
 import socket
 import sys
@@ -364,7 +363,7 @@ class Scheduler:
 
 def main() -> int:
     """Entry point: run the scheduler from the environment."""
-    watch = LauncherWatch(os.environ)
+    watch = LauncherWatch()
     if threading.current_thread() is threading.main_thread():  # SIGTERM ends it through its clean-up
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
         watch.install()

@@ -26,7 +26,8 @@ class LauncherWatch:
     """Notes whether the launcher died (:meth:`clean_up` then removes what it left), and whether it
     asked for the workers' registrations on stderr."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env  # bpslaunch's own variables for its scheduler
         self.owned = env.get("BPS_GOSSIP_SECRET_FILE") if env.get(OWNED_SECRET_VAR) == "1" else None
         self.port = env.get("DMLC_PS_ROOT_PORT", "")
         self.launcher = os.getppid()

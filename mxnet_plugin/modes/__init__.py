@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import warnings
 
+import bps_gossip as core
 from bps_gossip.compression import CompressionSpec
-from bps_gossip.config import TRAINER_MODES, load_config
+from bps_gossip.config import TRAINER_MODES
 
 from .allreduce import AllreduceMode
 from .auto import AutoMode
@@ -36,7 +37,7 @@ def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp1
     else gossip), except that fp16 without a compressor, which only gradients can use, picks
     allreduce (with a warning). ValueError for a name that is not a mode."""
     if mode is None:
-        mode = load_config().mode
+        mode = core.job_config().mode
         if fp16 and compression is None and mode == "gossip":
             warnings.warn("DistributedTrainer: fp16 applies to pushed gradients, which gossip mode does not "
                           "push: averaging gradients (mode='allreduce') instead", stacklevel=3)

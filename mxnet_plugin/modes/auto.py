@@ -37,7 +37,6 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
-from bps_gossip.config import load_config
 
 from ..ops import to_device, to_host
 from ..overlap import wait_all
@@ -72,7 +71,7 @@ class AutoMode(TrainerMode):
 
     def __init__(self, trainer: mx.gluon.Trainer, setup: ModeSetup) -> None:
         super().__init__(trainer, setup)  # without compression (mode_class refused it)
-        config = load_config()
+        config = core.job_config()
         self.window, self.servers = config.auto_window, max(1, config.num_server)
         self.unscaled = trainer._scale
         self.modes: dict[str, TrainerMode] = {"gossip": GossipMode(trainer, setup),
