@@ -1,5 +1,5 @@
 """Where a job's threads run on a host where every core computes (DESIGN.md, "Placement";
-docs/performance.md, "Placement").
+docs/placement.md).
 
 A worker's OpenMP team waits at every parallel region for its slowest thread: a communication
 thread (the engine's, ZeroMQ's I/O threads, a local server, the scheduler) waking on one of its
@@ -119,7 +119,7 @@ def plan(cpus: Sequence[int], workers: int, env: Mapping[str, str], opts: Option
     reserve = _reserve(len(units), len(cpus), workers, opts.comm_cores, omp, notes)
     shares, spare = _split(units[:len(units) - reserve], workers)
     # Unreserved, a worker gets its share but never more than MXNet's own default (half the CPUs):
-    # alone on a small host it leaves communication room, as before (docs/performance.md, Placement).
+    # alone on a small host it leaves communication room, as before (docs/placement.md).
     per_worker = len(shares[0]) if reserve else min(len(units) // workers, sum(map(len, units)) // 2)
     threads = omp or max(1, per_worker // mxnet_workers)
     if omp and reserve and omp > len(shares[0]):

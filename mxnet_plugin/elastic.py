@@ -2,9 +2,6 @@
 
 Usage (see docs/elastic.md and examples/train_digits_elastic.py)::
 
-    import mxnet_plugin as bps
-    from mxnet_plugin import elastic
-
     bps.init()
     sampler = elastic.ElasticSampler(len(dataset), shuffle=True)
     loader = gluon.data.DataLoader(dataset, batch_size=32, sampler=sampler)

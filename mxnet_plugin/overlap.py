@@ -1,31 +1,25 @@
 """push_pull inside MXNet's engine, so that communication overlaps backward.
 
 ``push_pull_in_engine(grads, name)`` returns at once. It queues the push_pull in MXNet's
-dependency engine (:mod:`mxnet_plugin.engine_ops`: the C API's asynchronous operation,
-2-3 us a call, where a custom operator cost 200-450 us) with the gradient as the array it
-writes: MXNet starts it when backward has written that gradient, and every later reader
-of the gradient (the optimizer update) waits until the sum is in. So each gradient's
-push_pull starts as soon as that gradient exists, whatever order the caller asks in, and
-the core's priorities (``-index``: first layers first) order whatever is queued at the
-same time. No thread waits on the network: the core's engine completes the operation.
+dependency engine (:mod:`mxnet_plugin.engine_ops`, the C API's asynchronous operation) with the
+gradient as the array it writes: MXNet starts it when backward has written that gradient, and
+every later reader (the optimizer update) waits until the sum is in. So each gradient's
+push_pull starts as soon as that gradient exists, and the core's priorities (first layers
+first) order what is queued at the same time. No thread waits on the network.
 
-The operation reads and writes the NDArray's memory directly (MXNet grants it access
-while it runs; arrays that an inference forward left in a oneDNN layout are reordered
-before they are queued, see ``mxnet_plugin.layouts``): no ``asnumpy`` and no copy back.
-The copies left on the hot path are the transport's: into the shared-memory segment (or
-the ZeroMQ frame) on the way out, and from it into the gradient on the way back.
+The operation reads and writes the NDArray's memory directly (arrays a forward left in a oneDNN
+layout are reordered before they are queued, see ``mxnet_plugin.layouts``): no ``asnumpy`` and
+no copy back; the copies left are the transport's.
 
 Errors: a push_pull that fails completes its operation with the error
-(:mod:`mxnet_plugin.engine_errors`): the next wait on its output or on anything computed
-from it (the updated weights, the next loss) raises ``MXNetError`` with the error's message.
-It also fills its output with NaN (floating point: nothing trained on it can pass for a
-model), logs the exception at once and keeps it: the next call that starts a push_pull of
-this module (the next ``trainer.step()``, ``kvstore.pushpull``), ``bps.shutdown()`` or
-:func:`raise_pending_error` raises it, naming the tensor, and if none does, the process
-exits with status 1 instead of 0.
+(:mod:`mxnet_plugin.engine_errors`): the next wait on its output or anything computed from it
+raises ``MXNetError`` with the error's message. It also fills its output with NaN, logs the
+exception and keeps it: the next push_pull call of this module, ``bps.shutdown()`` or
+:func:`raise_pending_error` raises it, naming the tensor, and if none does, the process exits
+with status 1 instead of 0.
 
-``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or ``overlap_backward=False`` where offered) turns
-this off: the caller then waits for each gradient and copies it through host buffers.
+``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or ``overlap_backward=False`` where offered) turns this off:
+the caller then waits for each gradient and copies it through host buffers.
 """
 
 from __future__ import annotations

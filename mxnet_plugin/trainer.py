@@ -44,42 +44,26 @@ class DistributedTrainer(mx.gluon.Trainer):
     """A gluon.Trainer for bps_gossip jobs, with byteps.mxnet's signature.
 
     ``DistributedTrainer(params, optimizer, optimizer_params=None, root_rank=0,
-    compression_params=None)`` as in BytePS. The first ``step()`` (or an explicit
-    ``_init_params()``) broadcasts every parameter from ``root_rank``; parameters with
-    deferred shapes are broadcast right after their initialization in the first forward.
-    ``step(batch_size)`` takes the per-worker batch size in both modes.
+    compression_params=None)`` as in BytePS. The first ``step()`` (or ``_init_params()``)
+    broadcasts every parameter from ``root_rank`` (deferred shapes: right after their first
+    forward). ``step(batch_size)`` takes the per-worker batch size in every mode.
 
-    ``mode`` defaults to BPS_GOSSIP_MODE (``bpslaunch --mode``), else ``'gossip'``. The
-    trainer builds one mode object (:mod:`mxnet_plugin.modes`) and hands it the work:
+    ``mode`` (default BPS_GOSSIP_MODE, ``bpslaunch --mode``, else ``'gossip'``) picks the mode
+    object (:mod:`mxnet_plugin.modes`) the trainer hands the work to:
 
-    ``mode='gossip'`` (:class:`~mxnet_plugin.modes.GossipMode`): Stochastic Gradient Push.
-    Each step applies the local optimizer update, then mixes the parameters with this
-    round's peers. The keywords ``graph``, ``peers_per_itr``, ``push_sum``, ``overlap``,
-    ``synch_freq``, ``average_every``, ``gossip_gamma`` and ``route_slow_links`` (or
-    ``gossip_options=``, a :class:`~mxnet_plugin.modes.GossipOptions`, which they override)
-    set it; see docs/gossip.md. A worker whose messages come late for everyone (a slow
-    link) is routed around by default: its edges carry a message every few rounds and nobody
-    waits for them. Call ``flush()`` before evaluating or saving in overlap mode
-    (``save_states`` does it); ``consensus_distance()`` and ``average_parameters()`` are
-    collectives: call them on every rank.
+    - ``'gossip'``: Stochastic Gradient Push, a local update then a mix with this round's peers;
+      ``graph``, ``peers_per_itr``, ``push_sum``, ``overlap``, ``synch_freq``, ``average_every``,
+      ``gossip_gamma``, ``route_slow_links`` (or ``gossip_options=``) set it. Slow links are
+      routed around by default. ``flush()`` before evaluating in overlap mode;
+      ``consensus_distance()`` and ``average_parameters()`` are collectives (docs/gossip.md).
+    - ``'allreduce'``: gradients summed over workers and scaled by the optimizer's rescale factor,
+      as in BytePS; with ``overlap_backward`` (default BPS_GOSSIP_OVERLAP_BACKWARD, on) each
+      push_pull runs inside MXNet's engine as backward writes its gradient.
+    - ``'auto'``: one of the two at a time, chosen every BPS_GOSSIP_AUTO_WINDOW steps the same way
+      on every rank; ``active_mode`` and ``mode_history`` say what ran (docs/gossip-auto.md).
 
-    ``mode='allreduce'`` (:class:`~mxnet_plugin.modes.AllreduceMode`): every step sums the
-    gradients over workers and divides by the number of workers through the optimizer's
-    rescale factor, as in BytePS. With ``overlap_backward`` (default:
-    ``BPS_GOSSIP_OVERLAP_BACKWARD``, on) each gradient's push_pull runs inside MXNet's
-    engine as soon as backward has written it and ``step()`` returns at once (see
-    ``mxnet_plugin.overlap``); without it, ``step()`` waits for each gradient in turn.
-
-    ``mode='auto'`` (:class:`~mxnet_plugin.modes.AutoMode`): one of the two at a time,
-    chosen every BPS_GOSSIP_AUTO_WINDOW steps (default 10) from the seconds per step each
-    takes, the same way on every rank (see docs/gossip.md, "mode='auto'");
-    ``active_mode`` says which runs, ``mode_history`` every decision and why.
-
-    ``compression_params`` (BytePS's dict, see docs/compression.md): in allreduce mode the
-    gradients are compressed as in BytePS; in gossip mode the gossip messages are, by
-    CHOCO-Gossip on a ring with consensus step ``gossip_gamma`` (default: the compressor's,
-    0.2, or 0.05 for randomk and L2 dithering), each parameter compressed on its own (error feedback and
-    momentum settings are for gradients and do not apply there).
+    ``compression_params`` (BytePS's dict, docs/compression.md) compresses gradients in allreduce
+    mode and, by CHOCO-Gossip on a ring (``gossip_gamma``), the gossip messages in gossip mode.
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,

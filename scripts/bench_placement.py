@@ -1,4 +1,4 @@
-"""What placement's choices are worth on this host (docs/performance.md, "Placement"), each
+"""What placement's choices are worth on this host (docs/placement.md), each
 experiment's rows alternated (A B C A B C ...) and compared side by side, medians of the
 alternations, ratios to the first row:
 

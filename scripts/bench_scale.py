@@ -4,40 +4,20 @@
     python scripts/bench_scale.py --preset resnet18_v1 --workers 4,8,16,32 --json scale.json
 
 N workers on this host (the bps_gossip core only: numpy, no MXNet, so 32 start quickly) each
-emulate compute by sleeping --compute-ms, then push_pull (sum) the gradients of a real model:
-its tensor sizes and count, fused as mxnet_plugin fuses them (gradients of up to 256 KiB into
-buckets of up to 4 MiB, in backward's order; --no-fusion pushes each alone), all started at
-once and waited for, as a trainer's step does. Each configuration (workers, servers,
-BPS_GOSSIP_HOST_REDUCE on or off, placement) runs its own scheduler, servers and workers; the clusters of
-one worker count are alive together and driven pass by pass in turn (order reversed every
-other pass), so they see the same machine. The overhead of a step is its time minus the
-compute (median over a rank's timed steps, the slowest rank's), and every result is checked
-against the exact sum. Beside the ratio to the bound, each row shows its overhead over that of
-the fewest servers with the same host reduce (more servers should never be slower), the
-busiest server's share of a step's bytes (--placement plan: every worker plans its tensors'
-servers, bps_gossip.worker.server_choice; hash: (key + partition) mod servers, the key a hash
-of the name; BYTEPS_PARTITION_BYTES of this environment sets the partitions), and the CPU
-milliseconds and wake-ups (voluntary context switches: each extra process's cost on few cores)
-per step of the workers and of the servers (with the scheduler), from /proc/<pid>/task.
+emulate compute by sleeping --compute-ms, then push_pull (sum) the gradients of a real model
+(its tensor sizes and count, fused as mxnet_plugin fuses them; --no-fusion pushes each alone),
+all started at once and waited for, as a trainer's step does. Each configuration (workers,
+servers, BPS_GOSSIP_HOST_REDUCE, placement) runs its own cluster; the clusters of one worker
+count are alive together and driven pass by pass in turn, so they see the same machine. A
+step's overhead is its time minus the compute (the slowest rank's median), and every result is
+checked against the exact sum.
 
-The bound is the memory traffic no single-host design avoids when every worker's gradients
-live in its own process: each worker's gradient copied in (to where the reduce reads it), the
-sum reading every worker's gradient once, and the result copied out to each worker:
-
-    bound(N, B) = 2 x N x copy(B) + sum(N, B)
-
-B is the model's gradient bytes, copy(B) the time np.copyto takes for B bytes and sum(N, B) that
-of a cache-blocked sum of N buffers of B bytes (each read once, the result written once), both
-measured on this machine right before every pass, on N distinct buffers (the working set of the
-run; at most MEASURE_BYTES of them): every 4 MiB piece of a copy and every 1 MiB piece (of each
-buffer) of the sum timed alone, the fastest of three repeats counting (other processes only
-ever add time), the median over passes. With the sum reading at about copy's speed this is
-about 3 x N x B / memcpy bandwidth.
-
-What the data paths move today (shared memory on one host): each worker's copy in (to its
-segment) and out; the sum on the servers' threads (or, with host reduce, on the host leader's
-engine thread, block by block) and the sum copied into the other workers' regions. The bound is
-one core's: where cores are to spare, copies overlap and the ratio can go below 1.
+The bound is the memory traffic no single-host design avoids, bound(N, B) = 2 x N x copy(B) +
+sum(N, B), with copy and sum measured on this machine before every pass (about 3 x N x B /
+memcpy bandwidth). Each row also shows its overhead over the fewest servers' (more servers
+should never be slower), the busiest server's share of the bytes (--placement plan or hash),
+and CPU milliseconds and wake-ups per step of the workers and the servers, from /proc.
+What each column means and the latest results: docs/performance-many-workers.md.
 """
 
 from __future__ import annotations

@@ -4,37 +4,23 @@ gluon.Trainer with MXNet's dist_sync KVStore, same MLP, same synthetic data.
     /tmp/venv/bin/python scripts/bench_training.py --quick
     /tmp/venv/bin/python scripts/bench_training.py --json training.json
 
-Every system runs its own cluster (1 scheduler, 1 server, N workers) on 127.0.0.1,
-all at once; the driver interleaves them pass by pass. A pass is ``--steps`` training
-steps (forward, backward, trainer.step) after a barrier, ended by ``mx.nd.waitall()``;
-samples/s = workers * batch * steps / the slowest rank's time, median over passes.
-The model is 1024-2048-2048-10 (6.3 M parameters, 25 MB of float32 gradients a step).
+Every system runs its own cluster (1 scheduler, 1 server, N workers) on 127.0.0.1, all at
+once; the driver interleaves them pass by pass. A pass is ``--steps`` training steps after a
+barrier, ended by ``mx.nd.waitall()``; samples/s = workers * batch * steps / the slowest rank's
+time, median over passes. The default model is 1024-2048-2048-10 (25 MB of gradients a step);
+``--model`` takes Gluon model-zoo CNNs.
 
-"ours kvstore" is gluon.Trainer with ``kvstore=mx.kv.create('bpsgossip')`` (it sums, so
-``step`` gets the global batch size); "ours module" is the Module API on the same network
-(its symbol, ``SoftmaxOutput``) with ``kvstore='bpsgossip'``, ``forward_backward`` + ``update``. The rows marked "no overlap" run with
-BPS_GOSSIP_OVERLAP_BACKWARD=0: the caller waits for each gradient and copies it through
-host buffers, instead of push_pull running inside MXNet's engine as soon as backward
-has written the gradient. ``--systems`` picks rows by name (MXNet's is always kept).
+"ours kvstore" is gluon.Trainer with ``kvstore=mx.kv.create('bpsgossip')``, "ours module" the
+Module API with ``kvstore='bpsgossip'``; "no overlap" rows run with
+BPS_GOSSIP_OVERLAP_BACKWARD=0. ``--systems`` picks rows by name (MXNet's is always kept;
+``main``: one row per entry point). MXNet's Trainer gets ``mx.kv.create('dist_sync')`` (it
+updates on the servers, its default). Allreduce and dist_sync keep every rank's parameters
+identical: the driver checks that and aborts if not.
 
-MXNet's Trainer gets its dist_sync KVStore as an instance (``mx.kv.create('dist_sync')``,
-what ``kvstore='dist_sync'`` creates too) so that the benchmark can use its barrier;
-with one device it updates on the servers (``update_on_kvstore``), MXNet's default.
-Allreduce and dist_sync keep every rank's parameters identical: the driver checks
-that at the end and aborts if not. A gossip trainer that cannot be built prints n/a.
-
-Where the CPU went, per training step (from /proc/<pid>/task/<tid>, read by each worker
-around its timed steps and by the driver for the servers and the scheduler): "compute" is
-a worker's threads under the process's own name (its Python, MXNet's engine and OpenMP
-threads), "comm" its communication threads (ours are named bpsg-... by
-bps_gossip.thread_names, ZeroMQ's ZMQbg/...; for MXNet, the threads ``mx.kv.create``
-starts: ps-lite's), "other" any other thread of a worker (mean over workers), and
-"server" all servers and the scheduler together. Work a system does on the training
-thread or on MXNet's engine threads (ours: queueing a push_pull; MXNet's: serializing
-its pushes) counts as compute: compare each row's compute with the ceiling's.
-``--threads auto`` gives each worker the usable cores / workers (every core computes);
-``--systems main`` keeps one row per entry point; ``--summarize`` prints earlier runs'
-JSON as one Markdown table (scripts/bench_host.sh runs the 16-core set in one command).
+CPU per training step comes from /proc/<pid>/task/<tid>: "compute" (the worker's own threads),
+"comm" (ours named bpsg-..., ZeroMQ's, ps-lite's), "other", and "server" (servers and the
+scheduler). ``--threads auto`` gives each worker cores / workers; ``--summarize`` prints earlier
+runs' JSON as one table. What the columns mean and the latest tables: docs/performance-training.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """scripts/bench_scale.py (issue 34, item 3): its presets are the Gluon models' real gradients,
 what it pushes is what mxnet_plugin's fusion would push, the bound is the formula its docstring
-and docs/performance.md state, and one tiny run goes end to end (2 workers, 2 servers, planned placement, 1 step)."""
+and docs/performance-many-workers.md state, and one tiny run goes end to end (2 workers, 2 servers, planned placement, 1 step)."""
 
 from __future__ import annotations
 

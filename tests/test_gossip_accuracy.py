@@ -5,7 +5,7 @@ which carry a message every few rounds). Each rank's test accuracy is compared w
 same training by allreduce (the gradients averaged exactly every step).
 
 The failures this guards against, seen at 16 workers on one 2-core host
-(docs/performance.md): a rank whose in-peers' messages were deferred held a push-sum weight
+(docs/performance-gossip.md): a rank whose in-peers' messages were deferred held a push-sum weight
 of 1/64, its whole local step moved z = x / w 64x too far and it diverged; and the rank
 routed around lagged the others by 2-5 points of accuracy.
 """

@@ -321,3 +321,22 @@ def test_only_config_parses_the_environment():
         offenders += [f"{where}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
                       if ENVIRONMENT_READ.search(line)]
     assert not offenders, f"environment read outside bps_gossip/config.py: {offenders}"
+
+
+MAX_DOCSTRING_LINES = 25
+
+
+def test_docstrings_say_what_and_why_briefly():
+    """No docstring of the package, the plugin or the scripts runs over 25 lines: measurements and
+    long explanations live in docs/ (a docstring that needs more points there)."""
+    long = []
+    for path in sorted([*(ROOT / "bps_gossip").rglob("*.py"), *(ROOT / "mxnet_plugin").rglob("*.py"),
+                        *(ROOT / "scripts").glob("*.py")]):
+        tree = ast.parse(path.read_text())
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and doc.count("\n") + 1 > MAX_DOCSTRING_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')} "
+                                f"({doc.count(chr(10)) + 1} lines)")
+    assert not long, f"docstrings over {MAX_DOCSTRING_LINES} lines: {sorted(set(long))}"

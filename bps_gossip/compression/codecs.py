@@ -1,29 +1,25 @@
 """The four gradient compressors of BytePS, as numpy: onebit, topk, randomk, dithering.
 
-Each codec works on one partition of ``n`` elements (computed in float32) and has a
-fixed compressed size, so a server's merged result has the same byte length as every
-push of its round. The math follows BytePS (byteps/common/compressor/impl); the byte
-layouts are ours:
+Each codec works on one partition of ``n`` elements (computed in float32) and has a fixed
+compressed size, so a server's merged result has the byte length of every push of its round.
+The math follows BytePS (byteps/common/compressor/impl); the byte layouts are ours:
 
-- onebit: float32 scale, then the sign bits (1 = negative), packed. The scale is the
-  mean absolute value with ``scaling``, else 1; decompression gives -scale or +scale
-  (zero decodes as +scale).
-- topk: the k elements of largest magnitude (ties: the earlier index), as int32 indices
-  then float32 values; decompression scatters them into zeros.
+- onebit: float32 scale (the mean |x| with ``scaling``, else 1), then the sign bits (1 =
+  negative), packed; decompression gives -scale or +scale (zero decodes as +scale).
+- topk: the k elements of largest magnitude (ties: the earlier index), as int32 indices then
+  float32 values; decompression scatters them into zeros.
 - randomk: k indices drawn uniformly with replacement, values not rescaled; same layout.
-- dithering: float32 norm (max |x|, or the L2 norm), then one signed level per element
-  (int8, or wider when there are more levels). Linear partition: levels 0..s, value =
-  level * norm / s. Natural partition: levels 0 and powers of two up to L = 2^(s-1),
-  value = level * norm / L. Rounding between levels is stochastic and unbiased.
+- dithering: float32 norm (max |x|, or L2), then one signed level per element (int8, or wider).
+  Linear: levels 0..s, value = level * norm / s. Natural: 0 and powers of two up to
+  L = 2^(s-1), value = level * norm / L. Rounding between levels is stochastic and unbiased.
 
-Random draws come from numpy's PCG64 seeded by the caller (see pipeline.py), not from
-BytePS's xorshift128+: the same distributions, another generator.
+Random draws come from numpy's PCG64 seeded by the caller (pipeline.py), not BytePS's
+xorshift128+: the same distributions, another generator.
 
-A codec is one class: besides the math it says how to build itself from a
-:class:`~bps_gossip.compression.CompressionSpec` (``check_spec``, ``from_spec``), what it
-writes into a push's header (``header_fields``) and how the server rebuilds it from that
-untrusted header (``from_header``). ``CODECS`` maps each name to its class; nothing else
-knows the names (docs/compression.md, "Adding a compressor").
+A codec is one class: its math, how it is built from a CompressionSpec (``check_spec``,
+``from_spec``), what it writes into a push's header (``header_fields``) and how the server
+rebuilds it from that untrusted header (``from_header``). ``CODECS`` maps each name to its
+class; nothing else knows the names (docs/compression.md, "Adding a compressor").
 """
 
 from __future__ import annotations

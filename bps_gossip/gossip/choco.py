@@ -1,38 +1,25 @@
 """Compressed gossip: CHOCO-Gossip (Koloskova, Stich and Jaggi, 2019) with BytePS's compressors.
 
-Compressing push-sum messages would lose mass: what a compressor drops is gone. CHOCO
-sends compressed *differences* instead. Every worker keeps public copies x_hat of its
-own model and of its neighbours' on a ring (the same copies on every worker that keeps
-them, since everyone adds the same decompressed bytes). Each round worker i sends
-q_i = C(x_i - x_hat_i) to its neighbours, everybody adds D(q) to the matching copy, and
-worker i moves x_i += gamma * w * sum_j (x_hat_j - x_hat_i) with w = 1 / (neighbours + 1).
-What compression drops stays in x_i - x_hat_i and goes out later (CHOCO's error
-feedback), and the sum over workers of x is unchanged by every round: the ring is
-symmetric, so every difference is added once and subtracted once.
+Compressing push-sum messages would lose mass: what a compressor drops is gone. CHOCO sends
+compressed *differences* instead. Every worker keeps public copies x_hat of its own model and
+of its neighbours' on a ring (the same copies everywhere, since everyone adds the same
+decompressed bytes). Each round worker i sends q_i = C(x_i - x_hat_i) to its neighbours,
+everybody adds D(q) to the matching copy, and worker i moves x_i += gamma * w * sum_j
+(x_hat_j - x_hat_i) with w = 1 / (neighbours + 1). What compression drops stays in
+x_i - x_hat_i and goes out later (error feedback); the ring is symmetric, so the sum of x over
+workers is unchanged by every round.
 
-Each buffer is compressed in pieces, as BytePS compresses gradients: every piece the
-caller names (a parameter of a flat buffer) on its own, split further at
-``partition_bytes``, and pieces under ``min_compress_bytes`` are sent as float32.
-One scale per piece matters: a compressor with one scale per buffer (onebit, dithering)
-would quantize a network's small weights against its largest values (BatchNorm's
-running variances), and CHOCO diverges when compression errs by more than the
-difference it sends.
+Each buffer is compressed in pieces, as BytePS compresses gradients: every piece the caller
+names (a parameter) on its own, split at ``partition_bytes``, pieces under
+``min_compress_bytes`` sent as float32. One scale per piece matters: one scale per buffer
+would quantize small weights against BatchNorm's running variances, and CHOCO diverges when
+compression errs by more than the difference it sends.
 
-``gamma`` is the consensus step: 1 mixes like plain gossip when nothing is dropped; with
-compression a smaller step keeps consensus stable (measured on a ring of 3 with topk 10%:
-0.4 stalls at a distance of 0.05, 0.2 and below reach exact consensus). The default is
-0.2, and 0.05 for randomk and L2-normalized dithering (:func:`default_gamma`): they carry
-little of the difference a round, so a larger step pulls each model toward stale copies
-(digits MLP, 4 workers, 10 epochs of gossip SGD, randomk 1%: test accuracy 0.25 at gamma 1,
-0.49 at 0.4, 0.83 at 0.2, 0.96 at 0.05, 0.95 at 0.02; dithering 8 levels L2: 0.42 at 0.6,
-0.95 at 0.2, 0.96 at 0.05). onebit's one scale per piece leaves a small floor on the
-consensus distance.
-
-L2-normalized dithering (QSGD) is unbiased but errs by up to omega = sqrt(n) / s times
-what it compresses (45 for 8 levels over 131,072 weights): CHOCO's public copies would move
-away from the models every round (the digits MLP diverged to 0.11). What it adds to them is
-scaled by 1 / (1 + omega), which makes it a contraction, as CHOCO's paper does for unbiased
-compressors (``Codec.variance``).
+``gamma`` is the consensus step: 0.2 by default, 0.05 for randomk and L2 dithering
+(:func:`default_gamma`), which carry little of the difference a round. L2 dithering (QSGD)
+errs by up to omega = sqrt(n) / s times what it compresses: what it adds to the copies is
+scaled by 1 / (1 + omega), a contraction, as CHOCO's paper does for unbiased compressors
+(``Codec.variance``). The measurements behind both: docs/compression.md, "Gossip".
 """
 
 from __future__ import annotations

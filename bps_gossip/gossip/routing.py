@@ -1,28 +1,24 @@
 """Routing push-sum gossip around slow links: one slow worker slows only itself.
 
-Every rank measures, for each message it receives, how long after the start of its own
-round the message arrived (an edge's delay). Every ``WINDOW`` rounds all ranks sum these
-measurements through the servers (one small push_pull) and take the same decision from the
-same numbers (:func:`choose_slow`): a rank whose edges are much slower than the others' (its
-link, or its compute, is what the others wait for) becomes *slow*. Edges that touch a slow
-rank are then
+Every rank measures, for each message it receives, how long after the start of its own round
+the message arrived (an edge's delay). Every ``WINDOW`` rounds all ranks sum these measurements
+through the servers (one small push_pull) and take the same decision from the same numbers
+(:func:`choose_slow`): a rank whose edges are much slower than the others' becomes *slow*.
+Edges that touch a slow rank are then
 
 - *deferred*: the receiver never blocks on them; it absorbs the message at whichever later
-  round it has arrived by (push-sum stays exact with delayed messages: the mass is only in
-  flight a little longer), and waits for the oldest only past ``MAX_OWED`` of one source;
-- *thinned*: they carry a message only once every ``period`` rounds (chosen so that the
-  slow link carries one model in the time it takes, measured), so it never queues up. In the
-  other rounds the sender keeps that share: the graph varies in time, the sums stay exact.
+  round it has arrived by (push-sum stays exact with delayed messages), and waits for the
+  oldest only past ``MAX_OWED`` of one source;
+- *thinned*: they carry a message only once every ``period`` rounds (so that the slow link
+  carries one model in the time it takes, measured); in the other rounds the sender keeps
+  that share: the graph varies in time, the sums stay exact.
 
 Push-sum's weights travel from the decision that finds a slow rank until the one that finds
-none (then one exact average makes every weight 1 again).
-A rank stops being slow when neither its link nor its compute is slow any more (lower
-thresholds than the ones that made it slow, so the decision does not flap): its lateness
-cannot say, since once nobody waits for a rank its messages come later against the others'
-rounds however fast it is. Its link: the transit of its fastest pair, each message stamped
-by its sender's clock and its receiver's, summed both ways (the clocks' offset cancels). Its
-compute: its seconds per round not spent waiting for messages. At most (n - 1) // 2 ranks
-are slow: when more are, they are the norm.
+none (then one exact average makes every weight 1 again). A rank stops being slow when neither
+its link nor its compute is slow any more (lower thresholds, so the decision does not flap):
+its link by the transit of its fastest pair (sender's and receiver's clocks, summed both ways
+so their offset cancels), its compute by its seconds per round not spent waiting. At most
+(n - 1) // 2 ranks are slow: when more are, they are the norm.
 """
 
 from __future__ import annotations

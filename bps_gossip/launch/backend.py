@@ -1,42 +1,27 @@
 """What a launcher backend is: the interface every way bpslaunch runs a job implements.
 
-A backend is one way of running a job; bpslaunch has four, chosen in
+A backend is one way of running a job; bpslaunch has four, tried in the order of
 :data:`bps_gossip.launch.cli.BACKENDS` (the first whose :meth:`Backend.from_args` claims the
-command line runs the job):
-
-- ``ssh`` (:mod:`.ssh`, ``-H``/``--hostfile``): every process of the job, on several hosts;
-- ``local`` (:mod:`.local`, ``-np``): every process of the job, on this machine;
-- ``batch`` (:mod:`.batch`, inside ``srun`` or ``mpirun``): one task's share of the job;
-- ``byteps`` (:mod:`.byteps`, the fallback): the role or the workers DMLC_* names.
+command line runs the job): ``ssh`` (``-H``/``--hostfile``: every process, on several hosts),
+``local`` (``-np``: every process, on this machine), ``batch`` (inside ``srun`` or ``mpirun``:
+one task's share) and ``byteps`` (the fallback: the role or workers DMLC_* names).
 
 A backend answers two questions, and the supervisor (:mod:`.supervisor`) does the rest:
 
-1. The layout (:meth:`Backend.plan`): which processes this bpslaunch starts (scheduler,
-   servers, workers), each one's environment (the DMLC_* variables that place it in the job)
-   and where it runs (:attr:`Process.host`, None for this machine). Everything that can be
-   wrong with the job is a ConfigError here, before anything starts.
-2. Starting (:meth:`Backend.start`): turning a planned process into a child of the
-   :class:`~.supervisor.Supervisor`. The default runs it on this machine. A backend whose
-   processes run elsewhere starts a local process that stands for the remote one, such that
-   ending the local process group ends the remote process: ``ssh`` connects to
-   ``python -m bps_gossip.launch.remote``, which stops its command when the connection closes.
+1. The layout (:meth:`Backend.plan`): which processes this bpslaunch starts, each one's
+   environment (the DMLC_* variables that place it) and where it runs (:attr:`Process.host`,
+   None for this machine). Everything wrong with the job is a ConfigError here, before anything
+   starts.
+2. Starting (:meth:`Backend.start`): a planned process becomes a child of the Supervisor. A
+   backend whose processes run elsewhere starts a local process that stands for the remote one
+   (``ssh`` runs ``python -m bps_gossip.launch.remote``, which stops its command when the
+   connection closes).
 
-Stopping is the supervisor's and the same for every backend: a signal to each child's process
-group, a grace period, SIGKILL; it stops the whole job on the first failure unless
-:attr:`Backend.fail_fast` is off. :meth:`Backend.supervise` may wait differently (the local
-backend's elastic jobs restart failed workers), and :meth:`Backend.close` releases what
-:meth:`Backend.plan` made (a secret file, shared memory).
-
-Adding a backend, say LSF's ``blaunch``:
-
-1. ``bps_gossip/launch/lsf.py``: ``class LsfBackend(Backend)`` with ``from_args`` (claim the
-   command line when LSB_JOBID is set and no -np or -H is given; else return None), ``plan``
-   (read LSB_MCPU_HOSTS into one :class:`Process` per scheduler, server and worker, with
-   ``host`` set; :func:`.ssh.plan` does the same for -H), and ``start`` (``blaunch HOST
-   python -m bps_gossip.launch.remote``, as :meth:`.ssh.SshBackend.start` does with ssh).
-2. Add ``LsfBackend`` to ``BACKENDS`` in :mod:`.cli` before the backends it must win over,
-   and its flags, if it has any, to :func:`.cli.build_parser`.
-3. Its tests in ``tests/test_launcher_lsf.py``: the plan from a fake environment, and a job.
+Stopping is the supervisor's, the same for every backend: a signal to each child's process
+group, a grace period, SIGKILL; the whole job stops on the first failure unless
+:attr:`Backend.fail_fast` is off. :meth:`Backend.supervise` may wait differently (elastic
+restarts) and :meth:`Backend.close` releases what ``plan`` made. Adding a backend (LSF's
+blaunch, say): docs/architecture.md, "Adding a launcher backend".
 """
 
 from __future__ import annotations

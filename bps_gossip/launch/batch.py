@@ -382,7 +382,7 @@ class BatchBackend(Backend):
             note(describe(self.place, processes, self.env))
             if worker.keys is None:
                 note("no job secret (BPS_GOSSIP_SECRET / BPS_GOSSIP_SECRET_FILE unset): sockets are not "
-                     "authenticated or encrypted, as in BytePS; see docs/launcher.md to set one")
+                     "authenticated or encrypted, as in BytePS; see docs/launcher-clusters.md to set one")
         if worker.keys is None:  # said once above, by task 0: not again by every process of every task
             for process in processes:
                 process.env[NO_SECRET_NOTED_VAR] = "1"

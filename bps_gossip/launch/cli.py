@@ -122,7 +122,7 @@ failed worker's code or the scheduler's (1).""",
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
                              "(SGP, the default), allreduce (BytePS's gradient averaging) or auto (whichever "
                              "trains faster, measured while training)")
-    placing = parser.add_argument_group("placement: where threads run (see docs/performance.md, Placement)")
+    placing = parser.add_argument_group("placement: where threads run (see docs/placement.md)")
     placing.add_argument("--comm-cores", metavar="N",
                          help="cores of this host reserved for communication (the scheduler, servers and each "
                               "worker's communication threads); the workers compute on the rest, each on its own "

@@ -4,25 +4,21 @@ The trainer holds both modes and runs one at a time. Every BPS_GOSSIP_AUTO_WINDO
 as many in a window that measures allreduce; twice as many after each decision that changes
 nothing, up to 8 times) the ranks average what they measured (seconds per step; in gossip,
 whether the ranks it routes around changed and how late they are; the loss, when ``step`` is
-given it) with one push_pull and
-:class:`~.auto_policy.AutoPolicy` decides, the same way on every rank, which mode runs the next
-window (see that module for the rule). In allreduce, and in gossip while it routes around no
-rank, the decision is taken at once; in gossip around slow ranks on the window before, whose
-push_pull travelled while this one ran (a push_pull every rank waits at would hold the fast
-ranks up for the slow ones). The worker's log says at INFO what it switched to and
-why (at DEBUG a decision to go on); ``DistributedTrainer.mode_history`` keeps the newest
-MAX_HISTORY decisions.
+given it) with one push_pull, and :class:`~.auto_policy.AutoPolicy` decides the same way on
+every rank which mode runs the next window. In gossip around slow ranks the decision is taken
+on the window before, whose push_pull travelled while this one ran (one every rank waits at
+would hold the fast ranks up for the slow ones). The log says at INFO what it switched to and
+why; ``DistributedTrainer.mode_history`` keeps the newest MAX_HISTORY decisions.
 
 Switching keeps the ranks' models consistent:
 
-- allreduce -> gossip: the models are equal (every rank applied the same summed gradients);
-  push-sum starts again from them, weight 1.
+- allreduce -> gossip: the models are equal; push-sum starts again from them, weight 1.
 - gossip -> allreduce: the models and the optimizer's states (momentum) are made exactly
-  their average over ranks, so that the same summed gradients keep every rank's model equal.
+  their average over ranks, so that the same summed gradients keep every model equal.
 
 While gossip runs, a decision may also make the models exactly their average (when they drift
-apart, or the learning rate fell: the rule is the policy's); each such average measures the drift
-it removed and how far the average moved since the last, and tells the policy.
+apart, or the learning rate fell); each such average measures the drift it removed and how far
+the average moved since the last, and tells the policy.
 """
 
 from __future__ import annotations

@@ -2,67 +2,16 @@
 
 Training runs in windows of BPS_GOSSIP_AUTO_WINDOW steps. At the end of each, every rank
 measures its seconds per step in the window, the ranks average that number with one
-push_pull, and :class:`AutoPolicy` decides on the averages. A push_pull's
-result is the same bytes on every rank, so every rank takes the same decision (the policy
-is deterministic, given what it is fed) and switches at the same step.
+push_pull, and :class:`AutoPolicy` decides on the averages: the same bytes on every rank, so
+every rank takes the same decision and switches at the same step.
 
-The rule:
-
-- A mode not measured yet is measured first: gossip for one window, then allreduce for one.
-  Gossip's windows are whole ones: its first rounds find the slow ranks it routes around from
-  then on (:mod:`bps_gossip.gossip.routing`); a window in which the set of slow ranks changed
-  is followed by another gossip window (once), since its time is not what gossip costs now.
-  A window that measures allreduce (a *probe*) is half as long as the others (3 steps at
-  least): it may be the slow mode.
-- Allreduce is not measured at all when gossip routes around a slow rank whose messages came
-  ``1 / ALLREDUCE_WAIT`` times later than gossip's step over the margin: every allreduce step
-  waits for that rank's gradient, a model's worth of bytes like a gossip message, and on one
-  slow link measuring allreduce once cost as much as 5x the whole gossip run's 5% (docs/netns.md).
-  Its cost is then taken to be ``ALLREDUCE_WAIT`` times that lateness until it is measured.
-- Nor is allreduce measured when gossip's step is under the margin of a lower bound of
-  allreduce's, estimated from what gossip measured (``Window.allreduce_estimate``): a step's
-  compute plus the bytes the busiest server link carries (every worker's gradient, one way) at
-  the speed of the links between workers. Measuring it (a probe and two switches) cost 1.3-1.8 s
-  of a 6-epoch run's 7 s on 100 Mbit/s links (docs/performance.md). Where the bound does not
-  decide, allreduce is measured: it is then likely the faster mode, and its probe trains.
-- Then the faster one per step runs, where gossip counts as faster only below
-  ``GOSSIP_MARGIN`` of allreduce's time: a gossip step moves the average model less surely than
-  an exact one. Measured on emulated hosts (docs/netns.md, the digits MLP, 4 workers), gossip
-  needed 1.75x allreduce's steps to reach allreduce's final accuracy; its step took 0.30x
-  allreduce's with the server's link the bottleneck (time to accuracy 0.53x), 0.54x on fast links
-  (0.95x) and 0.71x with one slow link (1.22x): below 0.6 gossip wins, above it allreduce.
-- While the decision stays the same, each window is twice as long as the one before (up to
-  ``MAX_WINDOWS`` windows): every decision is a push_pull every rank waits at, and on a slow link
-  the 44 of a 440-step run cost auto 5% of gossip's time. A switch starts from one window again.
-- While gossip runs, the models are made exactly their average over ranks (through the servers,
-  the price of about one allreduce step) when they drift apart: at the end of a gossip window
-  that goes on, every ``average_every`` gossip steps (one window at first). Each exact average
-  measures how far the ranks were from it (the drift, RMS) and how far the average moved since
-  the last one, per step. When the drift is over ``DRIFT_STEPS`` of those steps, the ranks
-  disagree by more than that much of training's net progress (on the plateau that progress goes
-  to nothing; after a learning rate fell it shrinks): the next comes as soon as its price is at
-  most ``AVERAGE_SHARE`` of the gossip steps between them (before the first, an allreduce step is
-  taken as its price; none comes before that is measured or estimated). Otherwise the interval
-  doubles (up to ``MAX_AVERAGE_WINDOWS`` windows). The share is small: on emulated hosts
-  (docs/netns.md, the digits MLP) exact averages every 30-50 steps changed no epoch's accuracy.
-  A learning rate below ``LR_DROP`` times the one of the last exact average brings one at once
-  (the next phase starts from equal models).
-- The loss (when ``step`` is given it: ``step(batch_size, loss=loss)``): a window's is its mean over
-  steps and ranks. Training is on a *plateau* when no window's loss came ``PLATEAU_THRESHOLD`` below
-  the best one before it for ``PLATEAU_WINDOWS`` windows' steps (PyTorch's ReduceLROnPlateau's rule,
-  relative threshold and patience, on windows instead of epochs). On a plateau where the last exact
-  average found the ranks *drifted* (over DRIFT_STEPS steps of progress apart), gossip counts as
-  faster only below ``PLATEAU_MARGIN`` of allreduce's step, not GOSSIP_MARGIN: the issue that asked
-  for auto saw gossip need about twice the epochs for the last half point of accuracy, where an
-  exact average each step wins. Both conditions, because on the digits MLP (docs/netns.md) gossip's
-  training loss was allreduce's epoch by epoch, on the plateau too (hidden 16 and 2048, 40 epochs),
-  with the ranks 1-4 steps apart: without drift there is nothing for exactness to win. A new best
-  loss ends the plateau.
-- The mode not running is measured again (the network, and with it what each mode costs,
-  changes while a job runs) after at least ``REPROBE_WINDOWS`` windows and once the time spent
-  in the chosen mode is 1 / ``PROBE_SHARE`` times what the measurement costs, at the last
-  measured (or estimated) price: on a slow link one allreduce step may cost twenty gossip
-  steps, and measuring it every 20 windows would double the time.
+In short: each mode is measured first (allreduce in a half window, or not at all where gossip's
+step is well under an estimate of allreduce's, or where a slow rank would make it wait); then
+the faster one per step runs, gossip counting as faster only below GOSSIP_MARGIN of allreduce's
+time (PLATEAU_MARGIN on a loss plateau where the ranks drifted apart). Windows double while the
+decision stays; gossip's models are made exactly their average when they drift apart by more
+than DRIFT_STEPS steps of progress; the mode not running is measured again now and then.
+The whole rule, each constant and the measurements behind it: docs/gossip-internals.md.
 """
 
 from __future__ import annotations
