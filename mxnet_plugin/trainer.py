@@ -98,12 +98,12 @@ class DistributedTrainer(mx.gluon.Trainer):
     @property
     def active_mode(self) -> str:
         """The mode running now: 'gossip' or 'allreduce' (with mode='auto', the one chosen last)."""
-        return getattr(self._mode, "active", self._mode).name
+        return self._mode.running().name
 
     @property
     def mode_history(self) -> list[tuple[int, str, str]]:
         """mode='auto': (step, mode, why) of every decision (the newest 1,024); other modes: []."""
-        return list(getattr(self._mode, "history", []))
+        return self._mode.decisions()
 
     @property
     def overlap_backward(self) -> bool:

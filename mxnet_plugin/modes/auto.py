@@ -92,6 +92,14 @@ class AutoMode(TrainerMode):
         self.loss_number, self.loss_steps = 0.0, 0  # the sum of numbers given; the steps that gave one
         self._use(self.active.name, "the first window", step=0, probe=AutoPolicy.short(AutoPolicy.first()))
 
+    def running(self) -> TrainerMode:
+        """The mode chosen last."""
+        return self.active
+
+    def decisions(self) -> list[tuple[int, str, str]]:
+        """(step, mode, why) of the newest MAX_HISTORY decisions."""
+        return list(self.history)
+
     @property
     def overlap_backward(self) -> bool:  # type: ignore[override]
         """Whether the running mode pushes gradients inside MXNet's engine."""
@@ -182,8 +190,8 @@ class AutoMode(TrainerMode):
         gradient (the model's bytes) through one server's link, one way, at the median fast
         pair's transit of one model. Every rank has the same numbers (routing decides on sums)."""
         gossip = self.modes["gossip"]
-        averager = getattr(gossip.gossip, "averager", None) if self.active is gossip else None
-        routing = getattr(averager, "routing", None)
+        averager = gossip.gossip.averager if self.active is gossip else None
+        routing = averager.routing if averager is not None else None
         if routing is None or not routing.links or not routing.busy:
             return 0.0
         fast = [rank for rank in routing.links if rank not in routing.slow]

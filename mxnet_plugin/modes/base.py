@@ -81,6 +81,14 @@ class TrainerMode(abc.ABC):
     def __init__(self, trainer: mx.gluon.Trainer, setup: ModeSetup) -> None:
         self.trainer = trainer
 
+    def running(self) -> TrainerMode:
+        """The mode that runs the steps now: this one (``mode='auto'``: the one it chose last)."""
+        return self
+
+    def decisions(self) -> list[tuple[int, str, str]]:
+        """(step, mode, why) of every decision between modes (only ``mode='auto'`` takes any)."""
+        return []
+
     @staticmethod
     @abc.abstractmethod
     def optimizer_params(setup: ModeSetup) -> dict[str, Any]:
