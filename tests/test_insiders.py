@@ -18,7 +18,7 @@ from cluster import assert_all_ok
 from test_elastic import ELASTIC_ENV
 
 from bps_gossip.config import load_config
-from bps_gossip.liveness import LocalProcess, raise_open_files_limit, start_ticks
+from bps_gossip.local_processes import LocalProcess, raise_open_files_limit, start_ticks
 from bps_gossip.protocol import Register, send
 from bps_gossip.transport import recv_message
 from bps_gossip.transport.security import make_socket, routing_id

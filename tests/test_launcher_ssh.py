@@ -21,7 +21,7 @@ from cluster import FAST_ENV
 
 from bps_gossip.errors import ConfigError
 from bps_gossip.launch import cli, local, ssh
-from bps_gossip.launch import hosts as hosts_mod
+from bps_gossip.launch import hostfile as hosts_mod
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -12,25 +12,25 @@ from typing import Any
 import numpy as np
 
 from ..errors import HostsUpdatedInterrupt, WorkersChangedError
-from . import codec
+from . import encoding
 from .comm import Comm, resolve
 
 
 def broadcast_object(obj: Any, name: str, root_rank: int = 0, comm: Comm | None = None) -> Any:
     """Return root_rank's ``obj`` on every rank, sent as bytes through the servers.
 
-    Encoded with :mod:`bps_gossip.elastic.codec` (msgpack, numpy arrays, tuples), never
+    Encoded with :mod:`bps_gossip.elastic.encoding` (msgpack, numpy arrays, tuples), never
     pickled: bytes that come through the servers are data, not code. A value it cannot
     encode is a TypeError on root_rank naming its type.
     """
     comm = resolve(comm)
     if comm.size() == 1:
         return obj
-    payload = codec.encode(obj) if comm.rank() == root_rank else b""
+    payload = encoding.encode(obj) if comm.rank() == root_rank else b""
     length = comm.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
     data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(int(length[0]), dtype=np.uint8)
     data = comm.broadcast(data, f"{name}.bytes", root_rank)
-    return codec.decode(data.tobytes())
+    return encoding.decode(data.tobytes())
 
 
 class State:

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from ..errors import ConfigError
-from .hosts import Host
+from .hostfile import Host
 from .supervisor import SERVICE_EXIT_SECONDS, Child, Supervisor
 
 

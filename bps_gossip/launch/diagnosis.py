@@ -2,7 +2,7 @@
 and failures at start-up that a restart cannot fix.
 
 - **No worker registered.** The scheduler bpslaunch starts reports each worker that registers
-  (:data:`~bps_gossip.liveness.WORKER_REGISTERED` on its stderr). Workers that all exit 0 with
+  (:data:`~bps_gossip.local_processes.WORKER_REGISTERED` on its stderr). Workers that all exit 0 with
   none registered never called ``bps.init()``: typically a Gluon script that forgot ``import
   mxnet_plugin``, for which MXNet quietly drops ``kvstore='bpsgossip'`` and every rank trains
   alone. bpslaunch says so and exits 1 instead of 0.

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from ..config import Config, load_config
 from ..errors import ConfigError
-from ..liveness import start_ticks
+from ..local_processes import start_ticks
 from .backend import check_command
 from .diagnosis import (
     NO_WORKER_REGISTERED,
@@ -364,7 +364,7 @@ class ElasticRun:
 def restart_delay(config: Config) -> float:
     """How long after a crash its replacement starts: once the scheduler has declared the dead
     worker lost, so that the replacement never counts twice against --max-np. The scheduler of a
-    local job sees a process on its host exit within one tick (bps_gossip.liveness); without
+    local job sees a process on its host exit within one tick (bps_gossip.local_processes); without
     /proc it waits for the heartbeat timeout."""
     tick = min(0.5, config.heartbeat_interval)
     if start_ticks() is not None:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from .. import placement
 from ..config import OWNED_SECRET_VAR, Config, load_config
 from ..errors import ConfigError
-from ..liveness import REGISTRATIONS_VAR
+from ..local_processes import REGISTRATIONS_VAR
 from ..transport import shm
 from .backend import Backend, Process, check_command, note
 from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from ..errors import ConfigError
 from .backend import Backend, Process, note
 from .elastic import ElasticOptions
-from .hosts import Host, Placement, parse_hosts, place_workers, read_hostfile
+from .hostfile import Host, Placement, parse_hosts, place_workers, read_hostfile
 from .supervisor import Child, Supervisor
 
 # Every exportable variable of bpslaunch's environment is forwarded (as horovodrun does: PATH

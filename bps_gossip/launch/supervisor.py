@@ -26,7 +26,7 @@ from typing import IO
 
 from .. import placement
 from ..compat import zip_exact
-from ..liveness import REGISTRATIONS_VAR, STOP_REQUEST, WORKER_REGISTERED, start_ticks
+from ..local_processes import REGISTRATIONS_VAR, STOP_REQUEST, WORKER_REGISTERED, start_ticks
 from ..transport import shm
 from .diagnosis import NO_WORKER_REGISTERED
 
@@ -173,7 +173,7 @@ class Supervisor:
                 log = open(os.path.join(self.output_dir, label.replace(" ", "") + ".log"), "ab")  # noqa: SIM115
                 child.log = log
             for pipe_in, sink, tail in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, child.tail)):
-                requests = role == "scheduler" and pipe_in is proc.stderr  # its stop requests (liveness.py)
+                requests = role == "scheduler" and pipe_in is proc.stderr  # its stop requests (local_processes.py)
                 thread = threading.Thread(target=self._pump, args=(pipe_in, sink, prefix.encode(), tail, log, requests),
                                           name=f"bpslaunch-{label}", daemon=True)
                 thread.start()

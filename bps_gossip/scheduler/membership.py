@@ -34,7 +34,7 @@ class Node:
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     state: str = "alive"  # alive | joining (elastic, not admitted yet) | left | lost
     seniority: tuple[int, int] = (0, 0)  # (generation admitted, rank or arrival then): lower is older
-    local: Any = None  # a liveness.LocalProcess when it runs on the scheduler's host
+    local: Any = None  # a local_processes.LocalProcess when it runs on the scheduler's host
     progress: int | None = None  # a worker's count of operations its training started (heartbeats)
     progress_at: float = dataclasses.field(default_factory=time.monotonic)  # when that count last moved
 

@@ -16,7 +16,7 @@ import zmq
 
 from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, ConfigError, ProtocolError
-from ..liveness import STOP_REQUEST, WORKER_REGISTERED, LocalProcess, raise_open_files_limit
+from ..local_processes import STOP_REQUEST, WORKER_REGISTERED, LocalProcess, raise_open_files_limit
 from ..logs import get_logger
 from ..protocol import (
     Barrier,
@@ -77,7 +77,7 @@ class Scheduler:
 
     def __init__(self, config: Config, report_registrations: bool = False) -> None:
         self.config = config
-        self.report_registrations = report_registrations  # to the bpslaunch that started it (liveness.py)
+        self.report_registrations = report_registrations  # to the bpslaunch that started it (local_processes.py)
         self.log = get_logger("scheduler", config.log_level)
         warn_if_no_secret(config, self.log)
         self.members = Membership(config.num_worker, config.num_server, config.elastic, config.max_workers)

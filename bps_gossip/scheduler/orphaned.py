@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 
 from ..config import OWNED_SECRET_VAR
-from ..liveness import REGISTRATIONS_VAR
+from ..local_processes import REGISTRATIONS_VAR
 from ..transport import shm
 
 
@@ -32,7 +32,7 @@ class LauncherWatch:
         self.port = env.get("DMLC_PS_ROOT_PORT", "")
         self.launcher = os.getppid()
         self.died = False
-        # bpslaunch reads the scheduler's stderr for the workers that registered (liveness.py)
+        # bpslaunch reads the scheduler's stderr for the workers that registered (local_processes.py)
         self.report_registrations = env.get(REGISTRATIONS_VAR) == "1"
 
     def install(self) -> None:

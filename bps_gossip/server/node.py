@@ -12,7 +12,7 @@ import zmq
 
 from ..config import Config, load_config, warn_if_no_secret
 from ..errors import LEFT_BEFORE_ROUND, BpsGossipError, PeerLostError, ProtocolError
-from ..liveness import raise_open_files_limit, start_ticks
+from ..local_processes import raise_open_files_limit, start_ticks
 from ..logs import get_logger
 from ..protocol import (
     AddressBook,

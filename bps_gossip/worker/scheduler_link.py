@@ -21,7 +21,7 @@ from ..config import Config
 from ..errors import BpsGossipError, JobEndedError, JobFailedError, PeerLostError
 from ..futures import Future, complete, fail
 from ..host_groups import same_host
-from ..liveness import start_ticks
+from ..local_processes import start_ticks
 from ..protocol import (
     AddressBook,
     Barrier,
