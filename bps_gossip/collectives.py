@@ -54,7 +54,7 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
     engine = runtime.engine
     seq = engine.next_seq(name)
     op = Operation(
-        handle=Future(), name=name, key=runtime.declare(name), seq=seq, sig=_signature(array, sig_kind),
+        future=Future(), name=name, key=runtime.declare(name), seq=seq, sig=_signature(array, sig_kind),
         send=send, out=out.reshape(-1).view(wire), result=out,
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
@@ -63,7 +63,7 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
     engine.servers.stage(op)
     if not engine.push_now(op):  # sent from this thread when it can be (worker.server_links)
         engine.submit(cmd.Submit(op))
-    return op.handle
+    return op.future
 
 
 def _submit_compressed(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, out: np.ndarray,
@@ -101,12 +101,12 @@ def _submit_compressed(runtime: Runtime, name: str, sig_kind: str, array: np.nda
             finish()
 
     op = Operation(
-        handle=Future(), name=name, key=runtime.declare(name), seq=seq, sig=_signature(array, sig_kind),
+        future=Future(), name=name, key=runtime.declare(name), seq=seq, sig=_signature(array, sig_kind),
         send=send, out=merged, result=out, parts=parts, priority=int(priority), finish=decompress,
         codecs=[header for _, header in codecs], traced=tracer is not None, submitted=submitted,
     )
     engine.submit(cmd.Submit(op))
-    return op.handle
+    return op.future
 
 
 def _averaging(out: np.ndarray, size: int) -> Callable[[], None]:

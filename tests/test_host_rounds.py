@@ -15,7 +15,7 @@ import zmq
 
 from bps_gossip.config import Config
 from bps_gossip.errors import ProtocolError, TensorMismatchError
-from bps_gossip.protocol import MESSAGES, Push
+from bps_gossip.protocol import MESSAGES, BookEntry, Push
 from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.shm import OwnedSegment, owner_pid
 from bps_gossip.worker import host_reduce
@@ -46,7 +46,8 @@ def host():
     uids = {rank: f"worker-{rank}-{os.urandom(4).hex()}".encode() for rank in range(4)}
     # Ranks 0-2 share this host (0 leads); rank 3 is elsewhere. Rank 2 claims another pid, so
     # the segments this process owns are not its own.
-    workers = [{"uid": uids[r].hex(), "pid": os.getpid() if r != 2 else os.getpid() + 1} for r in range(4)]
+    workers = [BookEntry(rank=r, uid=uids[r].hex(), addr="tcp://127.0.0.1:1", host="127.0.0.1",
+                         pid=os.getpid() if r != 2 else os.getpid() + 1, local_rank=r, local_size=4) for r in range(4)]
     pushed, poisoned, failed = [], [], []
 
     def fail(op, error):
@@ -103,7 +104,7 @@ def replies(sock: zmq.Socket) -> list:
 
 def own_op(setup: Setup, values: np.ndarray, seq: int = 0, shape=(6,)) -> Operation:
     seg = segment(setup, values)
-    return Operation(handle=Future(), name="w", key=11, seq=seq, sig={**SIG, "shape": list(shape)}, send=values,
+    return Operation(future=Future(), name="w", key=11, seq=seq, sig={**SIG, "shape": list(shape)}, send=values,
                      out=np.zeros_like(values), result=None, parts=[(0, values.size)], priority=0, segment=seg)
 
 

@@ -45,7 +45,7 @@ def make_links(addrs, credit=2, nservers=1):
 def make_op(name, array, priority=0, part_bytes=1 << 20):
     flat = array.reshape(-1)
     out = np.empty_like(flat)
-    return Operation(handle=Future(), name=name, key=0, seq=0, sig={"dtype": str(flat.dtype), "shape": [flat.size],
+    return Operation(future=Future(), name=name, key=0, seq=0, sig={"dtype": str(flat.dtype), "shape": [flat.size],
                      "kind": "sum"}, send=flat, out=out, result=out,
                      parts=partitions(flat.size, flat.dtype.itemsize, part_bytes), priority=priority)
 
@@ -98,10 +98,10 @@ def test_small_pushes_use_no_credit_and_results_land(servers):
     for route, msg, frames in sent:
         total = np.frombuffer(frames[0].buffer, np.float32) * 2
         send_message(socks[0], {"op": "result", "req": msg["req"]}, (total,), route=route)
-    while not all(op.handle.done() for op in ops):
+    while not all(op.future.done() for op in ops):
         pump(links, socks[0])
     for i, op in enumerate(ops):
-        np.testing.assert_array_equal(op.handle.result(0), np.full(4, 2.0 * i, np.float32))
+        np.testing.assert_array_equal(op.future.result(0), np.full(4, 2.0 * i, np.float32))
     assert not links.pending
 
 
@@ -115,7 +115,7 @@ def test_error_reply_fails_the_operation(servers):
     send_message(socks[0], {"op": "error", "req": msg["req"], "kind": "mismatch", "why": "shapes differ"}, route=route)
     pump(links, socks[0])
     with pytest.raises(TensorMismatchError, match="shapes differ"):
-        op.handle.result(0)
+        op.future.result(0)
     assert not links.pending
 
 
@@ -126,12 +126,12 @@ def test_lost_server_fails_what_needs_it(servers):
     links.enqueue(op)
     links.server_gone(0, "server rank 0 was lost")
     with pytest.raises(PeerLostError, match="was lost"):
-        op.handle.result(0)
+        op.future.result(0)
     later = make_op("y", np.zeros(4, np.float32))
     links.enqueue(later)
     links.dispatch()  # not sent to the lost server: failed at once
     with pytest.raises(PeerLostError):
-        later.handle.result(0)
+        later.future.result(0)
     assert not socks[0].poll(100)
 
 

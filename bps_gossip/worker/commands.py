@@ -19,12 +19,11 @@ from .operation import Operation
 
 @dataclasses.dataclass
 class Command:
-    """Base of every inbox command."""
+    """Base of every inbox command; ``future``, where a command has one, is what its caller waits on."""
 
-    @property
-    def future(self) -> Future | None:
-        """The future waiting for this command, if any."""
-        return getattr(self, "waiter", None)
+    # No annotation: a class attribute, not a field (a field here would come first in every
+    # command's arguments); the commands that have a future declare it as their own field.
+    future = None
 
 
 @dataclasses.dataclass
@@ -35,35 +34,35 @@ class Submit(Command):
 
     @property
     def future(self) -> Future:
-        return self.op.handle
+        return self.op.future
 
 
 @dataclasses.dataclass
 class Barrier(Command):
     """Wait until every worker reaches the barrier."""
 
-    waiter: Future
+    future: Future = dataclasses.field()
 
 
 @dataclasses.dataclass
 class Stats(Command):
     """Collect every server's counters."""
 
-    waiter: Future
+    future: Future = dataclasses.field()
 
 
 @dataclasses.dataclass
 class Rejoin(Command):
     """Elastic: join the next generation (completes with its address book)."""
 
-    waiter: Future
+    future: Future = dataclasses.field()
 
 
 @dataclasses.dataclass
 class Commit(Command):
     """Elastic: ask the scheduler whether workers wait to join (completes with a bool)."""
 
-    waiter: Future
+    future: Future = dataclasses.field()
 
 
 @dataclasses.dataclass
@@ -80,7 +79,7 @@ class HoldsState(Command):
 class Stop(Command):
     """Leave the job and end the engine thread."""
 
-    waiter: Future
+    future: Future = dataclasses.field()
     crashed: bool = False
 
 
@@ -104,12 +103,12 @@ class PeerAck(Command):
 
 @dataclasses.dataclass
 class PeerExpect(Command):
-    """Complete ``waiter`` with the messages of (tag, round) from ``sources``."""
+    """Complete ``future`` with the messages of (tag, round) from ``sources``."""
 
     tag: str
     rnd: int
     sources: list[int]
-    waiter: Future
+    future: Future = dataclasses.field()
 
 
 @dataclasses.dataclass

@@ -171,7 +171,7 @@ class Engine:
     def _drop(command: cmd.Command, error: BaseException) -> None:
         """Complete the future of a command that will never run."""
         if isinstance(command, cmd.Stop):
-            complete(command.waiter, None)  # a stop has nothing left to do
+            complete(command.future, None)  # a stop has nothing left to do
         else:
             fail(command.future, error)
 
@@ -275,13 +275,13 @@ class Engine:
         self.servers.enqueue(command.op)
 
     def _on_barrier(self, command: cmd.Barrier) -> None:
-        self.scheduler.barrier(command.waiter)
+        self.scheduler.barrier(command.future)
 
     def _on_stats(self, command: cmd.Stats) -> None:
-        self.servers.stats(command.waiter)
+        self.servers.stats(command.future)
 
     def _on_commit(self, command: cmd.Commit) -> None:
-        self.scheduler.commit(command.waiter)
+        self.scheduler.commit(command.future)
 
     def _on_finished(self, _command: cmd.Finished) -> None:
         if self._broken is None:
@@ -291,7 +291,7 @@ class Engine:
         self.has_state = True
 
     def _on_rejoin(self, command: cmd.Rejoin) -> None:
-        self._rejoin = command.waiter
+        self._rejoin = command.future
         if self._stale is not None:
             self._fail_pending(self._stale)
             self.scheduler.rejoin(self._target_gen, self.has_state)
@@ -302,7 +302,7 @@ class Engine:
         self._fail_all(NotInitializedError("bps_gossip was shut down while this operation was pending"))
         self.scheduler.leave(command.crashed)
         self._running = False
-        complete(command.waiter, None)
+        complete(command.future, None)
 
     # ------------------------------------------------------------------ what the scheduler says
     def on_book(self, book: Book) -> None:

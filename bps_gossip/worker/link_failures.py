@@ -52,7 +52,7 @@ class LinkFailures:
         for req in op.reqs:
             self._reqs.pop(req, None)
         op.reqs.clear()
-        fail(op.handle, error)
+        fail(op.future, error)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every operation in flight or queued, and every stats request."""

@@ -22,14 +22,14 @@ def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 class Operation:
     """What to send, where the sum goes, and what is left (see worker.server_links)."""
 
-    handle: Future
+    future: Future
     name: str
     key: int
     seq: int
     sig: dict[str, Any]
     send: np.ndarray  # flat, contiguous, wire dtype
     out: np.ndarray  # flat view of the result, wire dtype
-    result: Any  # what the handle returns
+    result: Any  # what the future returns
     parts: list[tuple[int, int]]
     priority: int
     finish: Callable[[], None] | None = None  # run on the engine thread after the last partition

@@ -116,7 +116,7 @@ class PeerEndpoint:
 
     def expect(self, command: PeerExpect) -> None:
         """Wait for a round's messages."""
-        self.channel.expect(command.tag, command.rnd, command.sources, command.waiter)
+        self.channel.expect(command.tag, command.rnd, command.sources, command.future)
 
     def blocked(self, command: PeerBlocked) -> None:
         """Training is blocked in a gossip round or a collective (or no longer): tell the peers."""

@@ -56,7 +56,7 @@ class PeerWait:
     tag: str
     rnd: int
     sources: frozenset[int]
-    handle: Future
+    future: Future
     deadline: float
     stall_reported: bool = False
     blocked: float | None = None  # when training began to wait on it, once it told the peers
@@ -225,11 +225,11 @@ class PeerChannel:
             raise ProtocolError(f"gossip message from rank {src}: segment {name!r}: {exc}") from None
         return arrays
 
-    def expect(self, tag: str, rnd: int, sources: list[int], handle: Future) -> None:
-        """Complete ``handle`` with {source: (header, arrays)} once every source has sent."""
-        wait = PeerWait(tag, rnd, frozenset(sources), handle, time.monotonic() + self.timeout)
+    def expect(self, tag: str, rnd: int, sources: list[int], future: Future) -> None:
+        """Complete ``future`` with {source: (header, arrays)} once every source has sent."""
+        wait = PeerWait(tag, rnd, frozenset(sources), future, time.monotonic() + self.timeout)
         if self.lost:  # a job that is not elastic cannot go on without a lost worker
-            fail(handle, self._lost_error(wait))
+            fail(future, self._lost_error(wait))
             return
         self.waits.append(wait)
         self._complete((tag, rnd))
@@ -242,7 +242,7 @@ class PeerChannel:
             if (wait.tag, wait.rnd) == key and wait.sources <= box.keys():
                 self.waits.remove(wait)
                 self.notices.untell(wait)
-                complete(wait.handle, {src: self._claim(box, src) for src in wait.sources})
+                complete(wait.future, {src: self._claim(box, src) for src in wait.sources})
         if not box:
             del self.inbox[key]
 
@@ -276,7 +276,7 @@ class PeerChannel:
         """Fail ``wait`` with ``error`` (the ranks told of it hear that it is over)."""
         self.waits.remove(wait)
         self.notices.untell(wait)
-        fail(wait.handle, error)
+        fail(wait.future, error)
 
     def check_deadlines(self, now: float) -> None:
         """Fail waits whose peers are gone or silent for too long."""

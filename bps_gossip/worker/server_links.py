@@ -65,7 +65,7 @@ class ServerLinks(LinkFailures, CallerSends):
         self._leader_fd = -1  # the host leader socket's ZMQ_FD (a local of a host group)
         self._look = False  # a reply may wait unseen on some server socket: read them all
         self._sent = False  # the engine thread sent on server sockets since it last looked
-        # The engine completes finished operations just before it polls (flush): a waiter woken
+        # The engine completes finished operations just before it polls (flush): a caller woken
         # earlier would only wait again, for the interpreter lock the engine thread still holds.
         self.deferred: list[Operation] | None = None
         self.addresses: list[str] = []
@@ -336,7 +336,7 @@ class ServerLinks(LinkFailures, CallerSends):
             if op.finish is not None:
                 op.finish()
         except Exception as exc:  # noqa: BLE001 - reported through the future
-            fail(op.handle, exc)
+            fail(op.future, exc)
             return
         if op.traced:
             self.tracer.event(op.name, "total", "total", op.submitted, now_us())
@@ -344,13 +344,13 @@ class ServerLinks(LinkFailures, CallerSends):
         if self.deferred is not None:
             self.deferred.append(op)
         else:
-            complete(op.handle, op.result)
+            complete(op.future, op.result)
 
     def flush(self) -> None:
         """Complete the operations that finished while ``deferred`` held them."""
         done, self.deferred = self.deferred, []
         for op in done:
-            complete(op.handle, op.result)
+            complete(op.future, op.result)
 
     def _on_stats(self, index: int, msg: Stats, _frames: list[zmq.Frame]) -> None:
         entry = self._stats.get(msg.req)
