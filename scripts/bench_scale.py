@@ -312,7 +312,7 @@ def start_clusters(job: Job, workers: int, combos: Sequence[tuple[int, str, str]
 
 
 class Tally:
-    """What the passes of one cluster measured. (A plain class: tests/doc_args_job.py loads this
+    """What the passes of one cluster measured. (A plain class: tests/jobs/doc_args_job.py loads this
     script without registering it as a module, which dataclasses need.)"""
 
     def __init__(self, group: WorkerGroup) -> None:

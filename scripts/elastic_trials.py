@@ -1,6 +1,6 @@
 """Random fault trials of an elastic Gluon job through bpslaunch (issue 15's kill loop).
 
-Each trial runs ``bpslaunch -np 3 --min-np 2 --max-np 3 python tests/gluon_elastic_job.py``
+Each trial runs ``bpslaunch -np 3 --min-np 2 --max-np 3 python tests/jobs/gluon_elastic_job.py``
 (a Gluon MLP, DistributedTrainer in allreduce or gossip mode, elastic.run, GluonState), makes
 one random rank fail at one random step (SIGKILL; or SIGSTOP / a stall with --fault), and checks
 what a user is promised: bpslaunch exits 0, the workers that finish hold identical parameters
@@ -10,7 +10,7 @@ what a user is promised: bpslaunch exits 0, the workers that finish hold identic
     python scripts/elastic_trials.py --trials 10 --mode gossip --fault stop
 
 Prints one line per trial (what was done, exit status, seconds, verdict) and a summary; exits 1
-when any trial failed. tests/test_elastic_trials.py runs a few fixed trials the same way.
+when any trial failed. tests/clusters/test_elastic_trials.py runs a few fixed trials the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from bps_gossip.launch.supervisor import kill_groups, start_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "gluon_elastic_job.py"
+JOB = ROOT / "tests" / "jobs" / "gluon_elastic_job.py"
 WORKERS, EPOCHS, SAMPLES, BATCH, COMMIT_EVERY = 3, 2, 96, 4, 3
 STEPS = EPOCHS * -(-SAMPLES // (WORKERS * BATCH))  # with every worker alive the whole time
 # Short failure detection, so that a trial takes seconds; a secret, as every job has.

@@ -1,6 +1,6 @@
 """Emulated hosts that answer ssh: network namespaces (scripts/netns.py), each running its own
 sshd (Debian's openssh-server) on its private address, with a fresh key pair for the client.
-Used to try ``bpslaunch -H`` for real on one machine (tests/test_launcher_ssh.py); as root:
+Used to try ``bpslaunch -H`` for real on one machine (tests/clusters/test_launcher_ssh.py); as root:
 
     .venv/bin/python scripts/netns_ssh.py --hosts 2 -- \\
         bpslaunch -np 4 -H {host0}:2,{host1}:2 {ssh} python examples/train_digits.py

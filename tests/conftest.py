@@ -1,4 +1,10 @@
-"""Shared fixtures: real clusters on 127.0.0.1, always cleaned up."""
+"""Shared fixtures (real clusters on 127.0.0.1, always cleaned up) and the markers by folder.
+
+tests/unit/ runs in this process (no scheduler, server or worker processes): marked ``unit``.
+tests/clusters/ starts real processes on 127.0.0.1: marked ``cluster``. tests/jobs/ holds the
+scripts those processes run. ``smoke`` and ``paths`` pick the cluster tests the other Pythons
+run (.ci/pythons): see pytest.ini.
+"""
 
 from __future__ import annotations
 
@@ -51,3 +57,13 @@ def environment_read_fresh():
     runtime.remember(None)
     yield
     runtime.remember(None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by its folder: ``unit`` (tests/unit/) or ``cluster`` (tests/clusters/)."""
+    for item in items:
+        folder = item.path.parent.name
+        if folder == "unit":
+            item.add_marker(pytest.mark.unit)
+        elif folder == "clusters":
+            item.add_marker(pytest.mark.cluster)
