@@ -25,7 +25,7 @@ from ..errors import ProtocolError
 from ..host_groups import host_groups
 from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..protocol.data import held_bytes
-from ..transport.shm import AttachedSegments, owner_pid
+from ..transport.shm import AttachedSegments
 from ..transport.sockets import server_frame_limit
 from .aggregation import Contribution, Round, RoundId
 from .holdings import RoundTable, TensorNames
@@ -189,9 +189,7 @@ class Rounds:
         if push.nbytes > limit:
             raise ProtocolError(f"rank {rank} pushed {push.nbytes} bytes through shared memory, more than the "
                                 f"servers take ({limit})")
-        if owner_pid(push.shm) != self.pids[rank]:
-            raise ProtocolError(f"rank {rank} named segment {push.shm!r}, which is not its own")
-        return self.segments.view(push.shm, push.wire, push.count, push.offset)
+        return self.segments.owned_view(f"rank {rank}", self.pids[rank], push.shm, push.wire, push.count, push.offset)
 
     def _refusal(self, push: Push) -> tuple[str, str] | None:
         """(kind, why) if this job cannot take the push now, else None."""

@@ -27,8 +27,11 @@ import uuid
 from collections.abc import Mapping
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from ..errors import ProtocolError
 
 PREFIX = "bpsg"
 SHM_DIR = Path("/dev/shm")
@@ -143,6 +146,13 @@ class AttachedSegments:
                 self._segments.pop(next(iter(self._segments))).close()
             segment = self._segments[name] = AttachedSegment(name)
         return segment.view(dtype, count, offset)
+
+    def owned_view(self, sender: str, pid: int, name: str, dtype: Any, count: int, offset: int) -> np.ndarray:
+        """:meth:`view` of segment ``name`` if process ``pid`` (``sender``, as error messages name
+        it) owns it: a message may name only its sender's own memory. ProtocolError otherwise."""
+        if owner_pid(name) != pid:
+            raise ProtocolError(f"{sender} named segment {name!r}, which is not its own")
+        return self.view(name, dtype, count, offset)
 
     def close(self) -> None:
         """Unmap every segment."""

@@ -59,12 +59,11 @@ class Engine:
         self.segments = SegmentPool(config.job_id) if config.shm and shm_available() else None
         ctx = zmq.Context.instance()
         # Made here, used only by the engine thread from start() on (thread start is a barrier).
-        self.scheduler = SchedulerLink(ctx, config, self.uid, self.log)
-        self.servers = ServerLinks(ctx, config, self.uid, self.log, self.segments, self.tracer)
-        self.peers = PeerEndpoint(ctx, config, self.uid, self.log, self.segments)
-        self.servers.hosts.peer_sock = self.peers.sock  # a host leader answers its locals on it
-        self.peers.on_push = self.servers.hosts.on_local_push
-        self.scheduler.listener = self
+        self.scheduler = SchedulerLink(ctx, config, self.uid, self.log, listener=self)
+        # A host leader's locals push to its peer socket, and it answers them there.
+        self.peers = PeerEndpoint(ctx, config, self.uid, self.log, self.segments, on_push=self._on_local_push,
+                                  entered=self.entered)
+        self.servers = ServerLinks(ctx, config, self.uid, self.log, self.segments, self.tracer, self.peers.sock)
         self.book: Book | None = None  # replaced whole at every generation: safe to read anywhere
         self.has_state = False  # elastic: this worker holds the job's state (told on rejoin)
         # API threads append, the engine thread pops (both atomic); a deque, not a queue: an empty
@@ -91,7 +90,6 @@ class Engine:
             cmd.HoldsState: self._on_holds_state, cmd.Stop: self._on_stop, cmd.PeerSend: self.peers.send,
             cmd.PeerAck: self.peers.ack, cmd.PeerExpect: self.peers.expect, cmd.PeerBlocked: self.peers.blocked,
         }
-        self.peers.entered = self.entered  # a peer's collective this rank has not entered: out of step
         self._thread = threading.Thread(target=named(ENGINE, self._main), name="bps-gossip-engine", daemon=True)
 
     # ------------------------------------------------------------------ API side
@@ -271,6 +269,10 @@ class Engine:
                 self._handlers[type(command)](command)
 
     # ------------------------------------------------------------------ commands
+    def _on_local_push(self, route: bytes, push: Any) -> None:
+        """A local of this worker's host pushed to its peer socket: the host link takes it."""
+        self.servers.hosts.on_local_push(route, push)
+
     def _on_submit(self, command: cmd.Submit) -> None:
         self.servers.enqueue(command.op)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
@@ -28,6 +28,7 @@ from ..errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
 from ..host_groups import group_of, push_pull_groups
 from ..protocol import Error, Push, send
 from ..sum_threads import SumThreads
+from ..transport.data_path import Route
 from ..transport.sockets import SocketRole, open_socket
 from .host_reduce import HostRounds, host_route
 from .operation import Operation
@@ -51,7 +52,7 @@ class HostLink:
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, pending: set[Operation],
                  push: Callable[[Operation, int], None], fail: Callable[[Operation, BpsGossipError], None],
-                 poison: Callable[..., None]) -> None:
+                 poison: Callable[..., None], peer_sock: zmq.Socket | None = None) -> None:
         self.ctx, self.config, self.uid = ctx, config, uid
         self.pending = pending  # the server links' operations in flight (the same set, never replaced)
         self.push, self.fail, self.poison = push, fail, poison
@@ -61,8 +62,9 @@ class HostLink:
         self.rank = -1
         self.generation = 0
         self.sock: zmq.Socket | None = None  # a local: the DEALER to its leader
+        self.route: Route | None = None  # ... and how payloads reach it: by name, in this host's memory
         self.rounds: HostRounds | None = None  # a leader of other workers
-        self.peer_sock: Any = None  # this worker's peer ROUTER (set by the engine): replies to locals
+        self.peer_sock = peer_sock  # this worker's peer ROUTER: a leader answers its locals on it
         self.threads = SumThreads(config.server_engine_threads, "hostsum")  # a leader's large sums
         self._early: list[tuple[float, bytes, Push]] = []
         self.gone: dict[int, str] = {}  # workers of this generation that were lost or left, and why
@@ -73,7 +75,7 @@ class HostLink:
         if self.rounds is not None:
             self.rounds.close("changed", f"generation {self.generation} of the job ended")
             self.rounds = None
-        old, self.sock = self.sock, None
+        old, self.sock, self.route = self.sock, None, None
         if old is not None:
             old.close(linger=0)
         groups = push_pull_groups(book.workers, book.servers)
@@ -90,6 +92,7 @@ class HostLink:
         elif len(group) > 1:
             self.sock = open_socket(self.ctx, SocketRole.TO_SERVER, self.config, host_route(self.uid, book.generation))
             self.sock.connect(book.workers[self.leader].addr)
+            self.route = Route(self.sock, shared=True)
         early, self._early = self._early, []
         for since, route, push in early:
             self._take(since, route, push)
@@ -182,5 +185,5 @@ class HostLink:
             self.rounds = None
         if self.sock is not None:
             self.sock.close(linger=0)
-            self.sock = None
+            self.sock, self.route = None, None
         self.threads.close()

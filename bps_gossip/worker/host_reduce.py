@@ -30,7 +30,7 @@ from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
 from ..protocol import Ack, BookEntry, Error, Message, Push, Result, send
 from ..protocol.data import describe_signature
 from ..sum_threads import SumThreads
-from ..transport.shm import AttachedSegments, owner_pid
+from ..transport.shm import AttachedSegments
 from .operation import Operation
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
@@ -137,9 +137,8 @@ class HostRounds:
         try:
             if push.shm is None or push.codec is not None or push.hosted:
                 raise ProtocolError("a push to the host leader names a shared-memory region and nothing else")
-            if owner_pid(push.shm) != self.pids[rank]:
-                raise ProtocolError(f"rank {rank} named segment {push.shm!r}, which is not its own")
-            region = self.attached.view(push.shm, push.wire, push.count, push.offset)
+            region = self.attached.owned_view(f"rank {rank}", self.pids[rank], push.shm, push.wire, push.count,
+                                              push.offset)
         except (OSError, ValueError, ProtocolError) as exc:
             self._reply(route, Error(req=push.req, kind="protocol", why=f"malformed push to the host leader: {exc}"))
             return

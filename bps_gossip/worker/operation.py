@@ -63,6 +63,18 @@ class Operation:
         itemsize = self.send.dtype.itemsize
         return self.segment.view(self.send.dtype, count, self.segment_base + offset * itemsize)
 
+    def payload(self, offset: int, count: int) -> np.ndarray:
+        """``count`` items of what this worker pushes from item ``offset``: from its segment once it
+        has one (a host leader's sum is there, not in ``send``), else from ``send``."""
+        return self.send[offset:offset + count] if self.segment is None else self.region(offset, count)
+
+    def in_segment(self, offset: int) -> dict[str, Any] | None:
+        """The header fields that name the payload from item ``offset`` in this worker's segment
+        (for a destination that reads shared memory), or None without a segment."""
+        if self.segment is None:
+            return None
+        return {"shm": self.segment.name, "offset": self.segment_base + offset * self.send.dtype.itemsize}
+
     def servers(self, nservers: int) -> set[int]:
         """The servers this operation's partitions go to (worker.server_choice)."""
         return {server_of(self.key, index, nservers) for index in range(len(self.parts))}

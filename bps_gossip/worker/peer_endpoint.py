@@ -34,7 +34,8 @@ class PeerEndpoint:
     """The bound peer socket and the generation's channel (see the module docstring)."""
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
-                 segments: SegmentPool | None) -> None:
+                 segments: SegmentPool | None, on_push: Callable[[bytes, Push], None] | None = None,
+                 entered: Callable[[str], int] | None = None) -> None:
         self.ctx = ctx
         self.config = config
         self.uid = uid
@@ -48,8 +49,10 @@ class PeerEndpoint:
         self._early: list[tuple[bytes, Gossip, list[zmq.Frame]]] = []
         self._drops = DropLog(log, "peer message")
         # A host leader's locals push to this socket too (worker.host_link); the engine routes them.
-        self.on_push: Callable[[bytes, Push], None] = self._no_push
-        self.entered: Callable[[str], int] = lambda _name: 0  # the engine's: operations started on a name
+        self.on_push: Callable[[bytes, Push], None] = on_push or self._no_push
+        # operations this rank started on a name (the engine counts them): a peer's collective
+        # this rank has not entered means the ranks are out of step
+        self.entered: Callable[[str], int] = entered or (lambda _name: 0)
         self._handlers = handlers({Gossip: self._on_gossip, GossipAck: self._on_ack, GossipWaiting: self._on_waiting,
                                    Push: lambda route, msg, _frames: self.on_push(route, msg)})
 

@@ -35,7 +35,7 @@ from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
 from ..host_groups import same_host
 from ..protocol import BookEntry, Gossip, GossipAck, GossipWaiting, send
-from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool, owner_pid
+from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool
 from ..transport.sockets import SocketRole, open_socket
 from .wait_notices import WaitNotices
 
@@ -212,15 +212,15 @@ class PeerChannel:
         if self.pool is None or not self.is_local(src):
             raise ProtocolError(f"gossip message from rank {src} names a shared-memory segment it cannot share")
         dtypes, counts, offsets, name = msg.dtypes, msg.counts, msg.offsets, msg.shm
-        if owner_pid(name) != self.workers[src].pid:
-            raise ProtocolError(f"gossip message from rank {src} names segment {name!r}, which is not its own")
+        pid = self.workers[src].pid
         try:
             arrays = []
             for dtype, count, offset in zip_exact(dtypes, counts, offsets):
                 dt = np.dtype(dtype)
                 if dt.kind not in "fiub":
                     raise ValueError(f"dtype {dt} is not gossiped")
-                arrays.append(self.attached.view(name, dt, int(count), int(offset)))
+                arrays.append(self.attached.owned_view(f"gossip message from rank {src}", pid, name, dt, int(count),
+                                                       int(offset)))
         except (OSError, ValueError) as exc:
             raise ProtocolError(f"gossip message from rank {src}: segment {name!r}: {exc}") from None
         return arrays

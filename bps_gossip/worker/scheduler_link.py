@@ -94,11 +94,12 @@ class Listener(Protocol):
 class SchedulerLink:
     """The DEALER to the scheduler and everything said over it (see the module docstring)."""
 
-    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger) -> None:
+    def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
+                 listener: Listener | None = None) -> None:
         self.config = config
         self.log = log
         self.sock = open_socket(ctx, SocketRole.TO_SCHEDULER, config, uid)
-        self.listener: Listener | None = None
+        self.listener = listener
         self.book: Book | None = None
         self.last_heard = time.monotonic()
         self.silent = False  # the scheduler stopped answering: leaving does not wait for it

@@ -32,7 +32,8 @@ from ..errors import PeerLostError, error_for
 from ..futures import Future, complete, fail
 from ..protocol import Ack, Error, Push, Result, Stats, handlers, send
 from ..protocol.data import SMALL_PUSH_BYTES
-from ..transport import endpoint_host, send_message
+from ..transport import endpoint_host
+from ..transport.data_path import Route
 from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
@@ -52,7 +53,7 @@ class ServerLinks(LinkFailures, CallerSends):
     """Every connection to a server and the partitions in flight on them (module docstring)."""
 
     def __init__(self, ctx: zmq.Context, config: Config, uid: bytes, log: logging.Logger,
-                 segments: SegmentPool | None, tracer: Tracer | None) -> None:
+                 segments: SegmentPool | None, tracer: Tracer | None, peer_sock: zmq.Socket | None = None) -> None:
         self.ctx = ctx
         self.config = config
         self.uid = uid
@@ -61,6 +62,7 @@ class ServerLinks(LinkFailures, CallerSends):
         self.tracer = tracer
         self.lock = threading.Lock()  # held by whichever thread uses the server sockets (module docstring)
         self.sockets: list[zmq.Socket] = []
+        self.routes: list[Route] = []  # how payloads reach each server (transport.data_path)
         self._fds: list[int] = []  # each server socket's ZMQ_FD, what the engine polls
         self._leader_fd = -1  # the host leader socket's ZMQ_FD (a local of a host group)
         self._look = False  # a reply may wait unseen on some server socket: read them all
@@ -83,7 +85,7 @@ class ServerLinks(LinkFailures, CallerSends):
         self._stats: dict[int, tuple[Future, list[Any]]] = {}
         self._lost: dict[int, str] = {}
         self._heard: dict[int, float] = {}  # server index (or LEADER) -> when it last sent anything
-        self.hosts = HostLink(ctx, config, uid, self.pending, self._push_hosted, self.fail_op, self._poison)
+        self.hosts = HostLink(ctx, config, uid, self.pending, self._push_hosted, self.fail_op, self._poison, peer_sock)
         self._leader_table = self._table(LEADER)
 
     # -- connections ----------------------------------------------------------------
@@ -114,6 +116,7 @@ class ServerLinks(LinkFailures, CallerSends):
         for sock in kept.values():  # servers no longer in the job
             sock.close(linger=0)
         self.addresses = list(book.servers)
+        self.routes = [Route(sock, index in self.shm_servers) for index, sock in enumerate(self.sockets)]
         self._fds = [sock.get(zmq.FD) for sock in self.sockets]
         self._look = True
         return True
@@ -158,7 +161,7 @@ class ServerLinks(LinkFailures, CallerSends):
     def _close_servers(self) -> None:
         for sock in self.sockets:
             sock.close(linger=0)
-        self.sockets, self._handlers, self.addresses = [], [], []
+        self.sockets, self._handlers, self.addresses, self.routes = [], [], [], []
         self.shm_servers = frozenset()
 
     # -- sending --------------------------------------------------------------------
@@ -238,7 +241,7 @@ class ServerLinks(LinkFailures, CallerSends):
                              wire="|u1", dtype=sig["dtype"], shape=sig["shape"],
                              kind=f"{sig['kind']} (on the host of rank {self.rank}, {why})"[:1024],
                              ack=False, gen=self.generation, hosted=True)
-        send_message(self.sockets[server], header, (b"",))
+        self.routes[server].send(header, (b"",))
         self._sent = True
 
     def _push(self, op: Operation, index: int, way: Way) -> None:
@@ -266,16 +269,9 @@ class ServerLinks(LinkFailures, CallerSends):
             header["codec"] = op.codecs[index]
         if way is Way.HOSTED:
             header["hosted"] = True
-        sock = self.hosts.sock if target == LEADER else self.sockets[server]
         self._sent = True
-        if op.segment is not None and (target == LEADER or server in self.shm_servers):
-            header["shm"] = op.segment.name
-            header["offset"] = op.segment_base + offset * op.send.dtype.itemsize
-            send_message(sock, header)
-        elif op.segment is not None and op.host_rounds:  # a leader's sum is in its segment
-            send_message(sock, header, (op.region(offset, count),))
-        else:
-            send_message(sock, header, (op.send[offset:offset + count],))
+        route = self.hosts.route if target == LEADER else self.routes[server]
+        route.send(header, (op.payload(offset, count),), op.in_segment(offset))
 
     def stats(self, future: Future) -> None:
         """Ask every server for its counters; ``future`` completes with the list of replies."""
