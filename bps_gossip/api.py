@@ -39,7 +39,7 @@ _atexit_registered = False
 
 
 def _rt(where: str) -> Runtime:
-    """The runtime, or NotInitializedError naming ``where`` (tests and tools read it too)."""
+    """The runtime, or NotInitializedError naming ``where`` (tests and tools: bps_gossip.testing)."""
     return _state.current(where)
 
 

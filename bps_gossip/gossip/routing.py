@@ -156,6 +156,10 @@ class SlowLinkRouting:
         self._window_started: float | None = None
         self._rounds = 0  # rounds begun in this window
 
+    def messages(self, src: int, dst: int) -> int:
+        """Messages measured on edge src -> dst in this window (those carried from the last included)."""
+        return int(self._counts[src, dst])
+
     def period(self, src: int, dst: int) -> int:
         """Rounds between messages on edge src -> dst: 0 for an edge between two fast ranks."""
         return max(self.slow.get(src, 0), self.slow.get(dst, 0))

@@ -15,10 +15,10 @@ TWO_HOSTS = {0: {"DMLC_NODE_HOST": "127.0.0.1"}, 1: {"DMLC_NODE_HOST": "127.0.0.
 # What each rank learned of its place, and what the servers took from whom.
 PLACES = '''
 import threading, numpy as np, bps_gossip as bps
-from bps_gossip import api
+from bps_gossip import testing
 bps.init()
 rank, size = bps.rank(), bps.size()
-hosts = api._rt("test").engine.servers.hosts
+hosts = testing.host_link()
 x = np.arange(300000, dtype=np.float32) * (rank + 1)
 for step in range(5):
     out = bps.push_pull(x, "grad", average=False)

@@ -173,12 +173,12 @@ def test_a_claimed_pid_gets_nobody_killed(cluster):
 BARRIER_FLOOD = '''
 import os, tempfile, time, bps_gossip as bps
 GO = os.path.join(tempfile.gettempdir(), "bpsg_test_go_" + os.environ["DMLC_PS_ROOT_PORT"])
-from bps_gossip import api
+from bps_gossip import testing
 from bps_gossip.futures import Future
 from bps_gossip.worker import commands as cmd
 bps.init()
 if bps.rank() == 0:  # a member that asks for 200 barriers at once, each a new seq
-    engine = api._rt("test").engine
+    engine = testing.engine()
     futures = [Future() for _ in range(200)]
     for future in futures:
         engine.submit(cmd.Barrier(future))
@@ -219,8 +219,8 @@ def test_a_member_cannot_open_barriers_without_end(cluster):
 
 
 # It says its routing id once a push_pull came back: its server connection is up by then.
-STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import api
-engine = api._rt("test").engine
+STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import testing
+engine = testing.engine()
 bps.push_pull(np.ones(1, np.float32), "warm-up")
 print("UID", engine.uid.hex(), engine.book.servers[0], engine.book.workers[1].addr, flush=True)""")
 
@@ -318,9 +318,9 @@ def test_failed_handshakes_are_logged_and_rate_limited(cluster):
     assert re.search(r"from (\S+, )*127\.0\.0\.3[ ,]", lines[0]), lines  # the guesser's own address
 
 
-FALSE_STALL_REPORT = STEADY.replace('print("READY", flush=True)', '''from bps_gossip import api
+FALSE_STALL_REPORT = STEADY.replace('print("READY", flush=True)', '''from bps_gossip import testing
 if bps.rank() == 2:  # a member that says rank 0 is stuck, sent by its engine's own stall check
-    engine = api._rt("test").engine
+    engine = testing.engine()
     said = []
     def overdue(now, stall):
         if said:

@@ -33,7 +33,7 @@ ROUNDS = 3
 # (/sys inside `ip netns exec` is the namespace's own) and whether shared memory was chosen.
 WORKER = f"""
 import numpy as np, bps_gossip as bg
-from bps_gossip import api
+from bps_gossip import testing
 
 def link():
     read = lambda name: int(open(f"/sys/class/net/eth0/statistics/{{name}}_bytes").read())
@@ -48,7 +48,7 @@ for _ in range({ROUNDS}):
     assert np.all(out == size * (size + 1) / 2), out[:4]
 rx1, tx1 = link()
 print(f"RESULT rank={{rank}} size={{size}} rx={{rx1 - rx0}} tx={{tx1 - tx0}} "
-      f"shm={{sorted(api._rt('test').engine.servers.shm_servers)}}", flush=True)
+      f"shm={{sorted(testing.server_links().shm_servers)}}", flush=True)
 bg.shutdown()
 """
 

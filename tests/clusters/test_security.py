@@ -68,11 +68,11 @@ def test_a_process_without_the_secret_is_refused_everywhere(cluster):
     done = job.run_workers(RAW_ATTACKS + dedent('''
         import os
         import numpy as np, bps_gossip as bps
-        from bps_gossip.api import _rt
+        from bps_gossip import testing
         from bps_gossip.gossip.averager import GossipAverager
         from bps_gossip.transport.security import JobKeys
         bps.init()
-        book = _rt("test").engine.book
+        book = testing.address_book()
         strangers = {"plain": None, "wrong key": JobKeys.from_secret("y" * 32)}
         heard = {}
         for who, keys in strangers.items():
@@ -110,11 +110,11 @@ def test_identity_comes_from_the_address_book(cluster):
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "3"})
     done = job.run_workers(RAW_ATTACKS + dedent('''
         import time, numpy as np, bps_gossip as bps
-        from bps_gossip.api import _rt
+        from bps_gossip import testing
         from bps_gossip.gossip.averager import GossipAverager
         from bps_gossip.worker.tensors import key_of
         bps.init()
-        book = _rt("test").engine.book
+        book = testing.address_book()
         keys = load_config().keys
         first = bps.push_pull(np.full(4, bps.rank() + 1.0), "x", average=False)
         bps.barrier()

@@ -15,12 +15,12 @@ import hashlib, mxnet as mx, numpy as np
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 import mxnet_plugin as bps
-from bps_gossip import api
+from bps_gossip import testing
 from mxnet_plugin.layouts import IdleViews
 
 bps.init()
 rank, size = bps.rank(), bps.size()
-pool = api._rt("test").engine.segments
+pool = testing.segment_pool()
 
 
 def build():

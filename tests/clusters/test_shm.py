@@ -92,7 +92,7 @@ def test_killed_worker_leaves_no_segment(cluster):
 # worker's in-place push_pulls leave the sums there, and no segment but the buffer is made.
 LEASED = '''
 import glob, os, numpy as np, bps_gossip as bps
-from bps_gossip import api
+from bps_gossip import testing
 bps.init()
 rank, size = bps.rank(), bps.size()
 buf = bps.shared_buffer(4 * 9000 + 8)
@@ -111,7 +111,7 @@ mine = len(glob.glob(f"/dev/shm/bpsg_{os.environ['DMLC_PS_ROOT_PORT']}_{os.getpi
 copied = bps.push_pull(a[:100], "copied", average=False)  # out of place: staged as before
 assert np.array_equal(copied, a[:100] * size)
 after = len(glob.glob(f"/dev/shm/bpsg_{os.environ['DMLC_PS_ROOT_PORT']}_{os.getpid()}_*"))
-report({"leased": mine, "after": after, "hosting": api._rt("t").engine.servers.hosts.hosting})
+report({"leased": mine, "after": after, "hosting": testing.host_link().hosting})
 bps.shutdown()
 '''
 

@@ -105,10 +105,10 @@ def train(net, trainer, batch_size, steps=STEPS):
 
 def in_shared_memory(net):
     """Whether every trained gradient lies in this worker's shared memory (mxnet_plugin.shared_gradients)."""
-    from bps_gossip import api
+    from bps_gossip import testing
     from mxnet_plugin.layouts import IdleViews
     mx.nd.waitall()
-    pool, views = api._rt("cnn_job").engine.segments, IdleViews()
+    pool, views = testing.segment_pool(), IdleViews()
     return all(pool.leased(views.flat(p.name, p.grad())) is not None for p in params(net) if p.grad_req != "null")
 
 

@@ -107,7 +107,8 @@ def main():
 
     final = train(state)
     report(["final", final.x.tolist(), final.step, final.epoch, bps.rank(), bps.size(), bps.generation()])
-    hosts = bps.api._rt("test").engine.servers.hosts
+    from bps_gossip import testing
+    hosts = testing.host_link()
     report(["host", hosts.hosting, hosts.leader])  # where its push_pulls went (tests/clusters/test_host_reduce.py)
     bps.shutdown()
 

@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 import bps_gossip as bps
-from bps_gossip.api import _rt
+from bps_gossip import testing
 from bps_gossip.config import load_config
 from bps_gossip.gossip.averager import GossipAverager
 from bps_gossip.transport.security import make_socket, routing_id
@@ -86,7 +86,7 @@ def oversized(address, template, count=3):
 
 bps.init()
 rank, size = bps.rank(), bps.size()
-book = _rt("fuzz").engine.book
+book = testing.address_book()
 rng = random.Random(rank)
 payloads = [[], [b"\x00" * 8], [b"\x00" * 3], [b"\x00" * 8, b"\x00" * 8]]
 sent = attack(os.environ["FUZZ_SCHEDULER"], REGISTER, rng, payloads)

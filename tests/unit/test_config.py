@@ -277,3 +277,11 @@ def test_plugin_switches_are_config_fields():
     assert load_config({}).overlap_backward and load_config({}).shm_gradients
     with pytest.raises(ConfigError, match="BPS_GOSSIP_SHM_GRADIENTS='maybe'"):
         load_config({"BPS_GOSSIP_SHM_GRADIENTS": "maybe"})
+
+
+def test_the_testing_hooks_refuse_outside_a_job():
+    from bps_gossip import NotInitializedError, testing
+
+    for hook in (testing.engine, testing.address_book, testing.host_link, testing.server_links, testing.segment_pool):
+        with pytest.raises(NotInitializedError):
+            hook()

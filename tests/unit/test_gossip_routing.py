@@ -227,5 +227,5 @@ def test_a_slow_rank_with_too_few_messages_is_kept_and_its_measurements_go_on():
                              np.full(n, 0.01)])
     assert not routing.decide(summed, 32, 1.0)  # kept as it was
     assert routing.slow == {2: 8} and 2 not in routing.scores
-    assert routing._counts[2, 0] == 1 and routing._counts[1, 0] == 0  # carried; the rest starts again
+    assert routing.messages(2, 0) == 1 and routing.messages(1, 0) == 0  # carried; the rest starts again
     assert MIN_MESSAGES > 1
