@@ -33,6 +33,7 @@ FAST_ENV = {
     "BPS_GOSSIP_SECRET": "tests-" + "0123456789abcdef" * 2,
 }
 
+JOBS = Path(__file__).resolve().parent / "jobs"  # the job modules the cluster tests run
 PRELUDE = '''
 import json, sys
 def report(value):
@@ -107,15 +108,31 @@ class Cluster:
     def start_workers(self, code: str, count: int | None = None, env: dict[str, str] | None = None,
                       per_rank_env: dict[int, dict[str, str | None]] | None = None) -> list[subprocess.Popen]:
         """Start ``count`` workers (default: all) running ``code`` with report() defined (an
-        environment value of None unsets the variable)."""
+        environment value of None unsets the variable). New tests use :meth:`start_job`."""
         script = self.tmp_path / f"worker_{len(self.procs)}.py"
         script.write_text(PRELUDE + textwrap.dedent(code))
+        return self._start([sys.executable, str(script)], count, env, per_rank_env)
+
+    def start_job(self, job: str, scenario: str, *args: str, count: int | None = None,
+                  env: dict[str, str] | None = None,
+                  per_rank_env: dict[int, dict[str, str | None]] | None = None) -> list[subprocess.Popen]:
+        """Start ``count`` workers (default: all) running scenario ``scenario`` of
+        tests/jobs/``job``.py with ``args`` (see tests/jobs/job_tools.py)."""
+        return self._start([sys.executable, str(JOBS / f"{job}.py"), scenario, *map(str, args)], count, env,
+                           per_rank_env)
+
+    def run_job(self, job: str, scenario: str, *args: str, timeout: float = 60, **kwargs: Any) -> list[Finished]:
+        """Start all workers on a job's scenario (:meth:`start_job`) and wait for them."""
+        return self.wait(self.start_job(job, scenario, *args, **kwargs), timeout)
+
+    def _start(self, argv: list[str], count: int | None, env: dict[str, str] | None,
+               per_rank_env: dict[int, dict[str, str | None]] | None) -> list[subprocess.Popen]:
         procs = []
         for index in range(self.workers if count is None else count):
             worker_env = {**self.env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(index),
                           **(env or {}), **((per_rank_env or {}).get(index, {}))}
             worker_env = {name: value for name, value in worker_env.items() if value is not None}  # None: unset
-            proc = self.spawn([sys.executable, str(script)], worker_env, f"worker{index}_{len(self.procs)}")
+            proc = self.spawn(argv, worker_env, f"worker{index}_{len(self.procs)}")
             proc.rank_hint = index  # type: ignore[attr-defined]
             procs.append(proc)
         return procs

@@ -9,13 +9,7 @@ pytestmark = pytest.mark.smoke  # run by every Python of .ci/pythons
 @pytest.mark.timeout(60)
 def test_two_workers_sum(cluster):
     job = cluster(2)
-    done = job.run_workers("""
-        import numpy as np, bps_gossip as bps
-        bps.init()
-        x = np.arange(6, dtype=np.float32) * (bps.rank() + 1)
-        report(bps.push_pull(x, "x", average=False).tolist())
-        bps.shutdown()
-    """)
+    done = job.run_job("smoke_job", "sum_of_ranks")
     assert_all_ok(done, job)
     for f in done:
         assert f.result == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
