@@ -1,5 +1,6 @@
 """Gossip invariants on real processes: mass conservation, exact averaging, de-biasing,
-and a dead peer failing the round (GossipAverager over the workers' peer channel)."""
+and a dead peer failing the round (GossipAverager over the workers' peer channel). The workers
+run tests/jobs/gossip_job.py."""
 
 from __future__ import annotations
 
@@ -17,36 +18,7 @@ GRAPHS = ["npdde", "dde", "bipartite-exp", "linear", "bipartite-linear", "ring"]
 def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers, shm):
     """Payloads between peers on one host go through shared memory, or over TCP with BPS_GOSSIP_SHM=0."""
     job = cluster(workers, env={"BPS_GOSSIP_SHM": shm})
-    done = job.run_workers(f"""
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.gossip.averager import GossipAverager
-        bps.init()
-        rank, size = bps.rank(), bps.size()
-        w0 = np.linspace(-1, 1, 7)
-        grad = np.arange(7) * 0.1 + rank       # a constant gradient per rank
-        lr, steps = 0.05, 6
-        out = {{}}
-        for graph in {GRAPHS!r}:
-            for overlap in (False, True):
-                for push_sum in ((True, False) if not overlap else (True,)):
-                    tag = f"{{graph}}-{{overlap}}-{{push_sum}}"
-                    try:
-                        # routing off: z's mean is exact only while every w comes back to 1
-                        avg = GossipAverager({{"w": w0}}, graph=graph, overlap=overlap, push_sum=push_sum, tag=tag,
-                                             route_slow_links=False)
-                    except ValueError as exc:   # push-pull needs a regular graph
-                        out[tag] = str(exc)
-                        continue
-                    for _ in range(steps):
-                        z = avg.debiased()
-                        avg.apply_update(z, {{"w": z["w"] - lr * grad}})
-                        avg.step()
-                    avg.flush()
-                    out[tag] = [avg.x["w"].tolist(), avg.weight, avg.debiased()["w"].tolist()]
-        out["shared_memory"] = avg.link.is_local((rank + 1) % size)
-        report(out)
-        bps.shutdown()
-    """)
+    done = job.run_job("gossip_job", "mass_conservation", *GRAPHS)
     assert_all_ok(done, job)
     results = [f.result for f in done]
     w0 = np.linspace(-1, 1, 7)
@@ -69,16 +41,7 @@ def test_mass_conservation_every_graph_with_and_without_overlap(cluster, workers
 @pytest.mark.parametrize("workers,peers,rounds", [(2, 1, 1), (4, 1, 2), (8, 1, 3), (9, 2, 2)])
 def test_exact_average_after_log_rounds(cluster, workers, peers, rounds):
     job = cluster(workers)
-    done = job.run_workers(f"""
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.gossip.averager import GossipAverager
-        bps.init()
-        avg = GossipAverager({{"w": np.full(5, float(bps.rank() * 3 + 1))}}, graph="npdde", peers_per_itr={peers})
-        for _ in range({rounds}):
-            avg.step()
-        report(avg.debiased()["w"].tolist())
-        bps.shutdown()
-    """)
+    done = job.run_job("gossip_job", "exact_average", peers, rounds)
     assert_all_ok(done, job)
     expected = np.mean([r * 3 + 1 for r in range(workers)])
     for f in done:
@@ -89,18 +52,7 @@ def test_exact_average_after_log_rounds(cluster, workers, peers, rounds):
 @pytest.mark.parametrize("workers", [3, 5, 6])
 def test_geometric_convergence_other_sizes(cluster, workers):
     job = cluster(workers)
-    done = job.run_workers("""
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.gossip.averager import GossipAverager
-        bps.init()
-        avg = GossipAverager({"w": np.full(3, float(bps.rank() ** 2))}, graph="npdde")
-        distances = []
-        for _ in range(18):
-            avg.step()
-            distances.append(avg.consensus_distance())
-        report(distances)
-        bps.shutdown()
-    """)
+    done = job.run_job("gossip_job", "geometric_convergence")
     assert_all_ok(done, job)
     for f in done:
         d = f.result
@@ -113,19 +65,7 @@ def test_geometric_convergence_other_sizes(cluster, workers):
 @pytest.mark.timeout(120)
 def test_push_sum_debiasing_on_irregular_schedule(cluster):
     job = cluster(3)
-    done = job.run_workers("""
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.gossip.averager import GossipAverager
-        from bps_gossip.gossip.graphs import ExplicitGraph
-        bps.init()
-        # rank 0 sends to both others, rank 1 only to 2, rank 2 only to 0: not regular
-        graph = ExplicitGraph(3, [{0: [1, 2], 1: [2], 2: [0]}])
-        avg = GossipAverager({"w": np.array([float(bps.rank()) * 6])}, graph=graph)
-        for _ in range(60):
-            avg.step()
-        report([avg.x["w"][0], avg.weight, avg.debiased()["w"][0]])
-        bps.shutdown()
-    """)
+    done = job.run_job("gossip_job", "push_sum_irregular")
     assert_all_ok(done, job)
     true_average = (0 + 6 + 12) / 3
     numerators = [f.result[0] for f in done]
@@ -138,24 +78,7 @@ def test_push_sum_debiasing_on_irregular_schedule(cluster):
 @pytest.mark.timeout(120)
 def test_dead_peer_fails_the_round_with_its_rank(cluster):
     job = cluster(3)
-    done = job.run_workers("""
-        import os, time, numpy as np, bps_gossip as bps
-        from bps_gossip.gossip.averager import GossipAverager
-        bps.init()
-        avg = GossipAverager({"w": np.ones(4)}, graph="ring")
-        avg.step()
-        bps.barrier()  # every round-0 message has arrived before rank 1 dies
-        if bps.rank() == 1:
-            os.kill(os.getpid(), 9)
-        start = time.time()
-        try:
-            for _ in range(5):
-                avg.step()
-            report(["no error"])
-        except bps.BpsGossipError as exc:
-            report([type(exc).__name__, str(exc), time.time() - start])
-        bps.shutdown()
-    """)
+    done = job.run_job("gossip_job", "dead_peer")
     survivors = [f for f in done if f.rank_hint != 1]
     for f in survivors:
         assert f.returncode == 0, job.dump()
