@@ -53,7 +53,7 @@ class StepFusion:
     def __init__(self, prefix: str, push_alone: PushAlone) -> None:
         self.prefix = prefix  # tensor names are prefix + key
         self.push_alone = push_alone  # (key, arrays, priority): one key's in-engine push_pull
-        self.signature: tuple = ()  # ((key, arrays), ...) of the planned calls
+        self.planned_calls: tuple = ()  # ((key, arrays), ...) of the planned calls
         self.buckets: list[tuple[list[int], str, str]] = []  # (call indices, name, layout)
         self.alone: list[int] = []
         self.shared = False  # whether gradients were offered to shared memory (once)
@@ -82,21 +82,21 @@ class StepFusion:
     def _same_calls(self, calls: list[Call]) -> bool:
         """Whether ``calls`` are the planned ones: the same keys with the same array objects (the
         plan holds them, so their ids cannot be reused; an array's shape and dtype never change)."""
-        if len(calls) != len(self.signature):
+        if len(calls) != len(self.planned_calls):
             return False
-        for (key, arrays, _), (planned_key, planned) in zip(calls, self.signature):
+        for (key, arrays, _), (planned_key, planned) in zip(calls, self.planned_calls):
             if key != planned_key or len(arrays) != len(planned) or any(a is not b for a, b in zip(arrays, planned)):
                 return False
         return True
 
-    def _plan(self, calls: list[Call], signature: tuple) -> None:
+    def _plan(self, calls: list[Call], planned_calls: tuple) -> None:
         groups, self.alone = plan_calls([arrays for _, arrays, _ in calls])
         self.buckets = []
         for indices in groups:
             first = calls[indices[0]][0]
             members = [(f"{self.prefix}{calls[i][0]}", tuple(calls[i][1][0].shape)) for i in indices]
             self.buckets.append((indices, f"{self.prefix}fused_{first}_{len(indices)}", layout_text(members)))
-        self.signature = signature
+        self.planned_calls = planned_calls
         balance_servers([(name if len(indices) > 1 else f"{self.prefix}{calls[indices[0]][0]}",
                           [calls[i][1][0] for i in indices]) for indices, name, _ in self.buckets]
                         + [(f"{self.prefix}{calls[i][0]}", calls[i][1][:1]) for i in self.alone])

@@ -56,7 +56,7 @@ class StartupFailures:
     """Per slot: the start-up failure its processes repeated in a row, and how often."""
 
     def __init__(self) -> None:
-        self.last: dict[int, tuple[tuple[int, str], int]] = {}  # slot -> (signature, count)
+        self.last: dict[int, tuple[tuple[int, str], int]] = {}  # slot -> (fingerprint, count)
 
     def count(self, slot: int, code: int, error: str, at_start: bool) -> int:
         """Note a failure in ``slot`` (exit ``code``, last error line ``error``); return how many
@@ -64,8 +64,8 @@ class StartupFailures:
         if not at_start:
             self.last.pop(slot, None)
             return 0
-        signature = (code, re.sub(r"\d+", "N", error))  # pids, ports and times differ each time
+        fingerprint = (code, re.sub(r"\d+", "N", error))  # pids, ports and times differ each time
         previous, count = self.last.get(slot, (None, 0))
-        count = count + 1 if previous == signature else 1
-        self.last[slot] = (signature, count)
+        count = count + 1 if previous == fingerprint else 1
+        self.last[slot] = (fingerprint, count)
         return count

@@ -32,7 +32,7 @@ class Contribution:
     region: np.ndarray | None = None  # the worker's shared-memory region: the sum goes back there
 
 
-class Round:
+class Aggregation:
     """Accumulates the pushes of one partition of one tensor for one round."""
 
     def __init__(

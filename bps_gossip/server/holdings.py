@@ -19,7 +19,7 @@ MAX_TENSOR_NAMES = 1 << 16  # keys whose names are remembered (to refuse two nam
 MAX_PARTS_SEEN = 1024  # partitions recorded per key (for Stats)
 
 
-class RoundTable(dict):
+class AggregationTable(dict):
     """Open rounds by round id, with the count and bytes charged to each opening rank.
 
     Every removal goes through :meth:`pop`, which gives the charge back.
@@ -40,24 +40,24 @@ class RoundTable(dict):
                     f"pass the {MAX_OPEN_BYTES_PER_RANK} a server holds for one rank")
         return None
 
-    def open(self, rid: Any, rnd: Any, rank: int, nbytes: int) -> None:
-        """Add ``rnd``, charged to ``rank``."""
-        rnd.opened_by, rnd.held = rank, nbytes
-        self[rid] = rnd
+    def open(self, rid: Any, agg: Any, rank: int, nbytes: int) -> None:
+        """Add ``agg``, charged to ``rank``."""
+        agg.opened_by, agg.held = rank, nbytes
+        self[rid] = agg
         self.count[rank] += 1
         self.bytes[rank] += nbytes
 
     def pop(self, rid: Any, default: Any = None) -> Any:
         """Remove a round and give its charge back."""
-        rnd = super().pop(rid, default)
-        if rnd is not None and rnd is not default and rnd.opened_by >= 0:
-            rank = rnd.opened_by
-            rnd.opened_by = -1  # charged once, given back once
+        agg = super().pop(rid, default)
+        if agg is not None and agg is not default and agg.opened_by >= 0:
+            rank = agg.opened_by
+            agg.opened_by = -1  # charged once, given back once
             self.count[rank] -= 1
-            self.bytes[rank] -= rnd.held
+            self.bytes[rank] -= agg.held
             if not self.count[rank]:
                 del self.count[rank], self.bytes[rank]
-        return rnd
+        return agg
 
 
 class TensorNames:

@@ -38,7 +38,7 @@ from ..transport.sockets import SocketRole, open_socket
 from .aggregation import Contribution
 from .outbox import Outbox
 from .pool import SumPool
-from .rounds import Rounds
+from .rounds import Aggregations
 
 
 class Server:
@@ -58,7 +58,7 @@ class Server:
         self.outbox = Outbox(self.sock, self.log)
         self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config, routing_id("server", config.keys))
         self.pool = SumPool(config.server_engine_threads)
-        self.rounds = Rounds(config, self.addr, self._reply, self.pool)
+        self.rounds = Aggregations(config, self.addr, self._reply, self.pool)
         self.rank = -1
         self.running = True
         self.last_ack = time.monotonic()

@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ..sum_threads import SumThreads
-from .aggregation import Round, RoundId
+from .aggregation import Aggregation, RoundId
 
 Done = Tuple[RoundId, Optional[str]]  # a completed round, and the error of a summation that failed
 
@@ -29,21 +29,21 @@ class SumPool:
         """Readable when rounds completed: poll it beside the sockets."""
         return self.threads.fileno()
 
-    def submit(self, rnd: Round, payload: Any) -> None:
-        """Add ``payload`` (a frame, or a shared-memory region) into ``rnd`` on a summation thread."""
-        self.threads.submit(lambda: self._add(rnd, payload), lambda future: self._settled(rnd, future))
+    def submit(self, agg: Aggregation, payload: Any) -> None:
+        """Add ``payload`` (a frame, or a shared-memory region) into ``agg`` on a summation thread."""
+        self.threads.submit(lambda: self._add(agg, payload), lambda future: self._settled(agg, future))
 
     @staticmethod
-    def _add(rnd: Round, payload: Any) -> bool:
+    def _add(agg: Aggregation, payload: Any) -> bool:
         """Whether this payload completed the round (then summed and written back)."""
-        if rnd.add(payload if isinstance(payload, np.ndarray) else payload.buffer):
-            rnd.write_back()
+        if agg.add(payload if isinstance(payload, np.ndarray) else payload.buffer):
+            agg.write_back()
             return True
         return False
 
-    def _settled(self, rnd: Round, future: Future) -> None:
+    def _settled(self, agg: Aggregation, future: Future) -> None:
         error = future.exception()
-        self._done.append((rnd.rid, None if error is None else f"summation failed: {error!r}"))
+        self._done.append((agg.rid, None if error is None else f"summation failed: {error!r}"))
 
     def finished(self) -> list[Done]:
         """The rounds completed (or failed) since the last call."""

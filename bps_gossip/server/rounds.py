@@ -27,8 +27,8 @@ from ..protocol import Ack, AddressBook, Error, Message, Push, Result, Stalled
 from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments
 from ..transport.sockets import server_frame_limit
-from .aggregation import Contribution, Round, RoundId
-from .holdings import RoundTable, TensorNames
+from .aggregation import Aggregation, Contribution, RoundId
+from .holdings import AggregationTable, TensorNames
 from .pool import SumPool
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
@@ -44,7 +44,7 @@ Reply = Callable[[Contribution, Message, Tuple[Any, ...]], None]
 Held = Tuple[float, bytes, Push, list, int]  # (since, route, push, frames, bytes held: header and payload)
 
 
-class Rounds:
+class Aggregations:
     """The open rounds of one server and everything they are checked against."""
 
     def __init__(self, config: Config, addr: str, reply: Reply, pool: SumPool) -> None:
@@ -52,7 +52,7 @@ class Rounds:
         self.addr = addr
         self.reply = reply
         self.pool = pool
-        self.rounds = RoundTable()  # RoundId -> Round, charged to the rank that opened it
+        self.rounds = AggregationTable()  # RoundId -> Aggregation, charged to the rank that opened it
         self.names = TensorNames()  # key -> tensor name: two names on one key are refused
         self.feedback: dict[tuple[int, int], PartitionState] = {}  # compressed tensors' server-side error
         self.gone: dict[int, str] = {}  # worker rank -> why it is no longer in the job
@@ -92,11 +92,11 @@ class Rounds:
         if generation <= self.generation:
             return
         self.generation = generation
-        for rnd in list(self.rounds.values()):
-            if rnd.rid[0] < generation:
-                if rnd.error is None:
-                    self.fail(rnd, "changed", f"tensor {rnd.name!r}: membership changed: {why}")
-                self.rounds.pop(rnd.rid, None)
+        for agg in list(self.rounds.values()):
+            if agg.rid[0] < generation:
+                if agg.error is None:
+                    self.fail(agg, "changed", f"tensor {agg.name!r}: membership changed: {why}")
+                self.rounds.pop(agg.rid, None)
 
     def worker_gone(self, why: str, rank: int) -> None:
         """A worker died or left a job that is not elastic: no open round can complete."""
@@ -104,10 +104,10 @@ class Rounds:
         # Pushes are refused from now on, so not even a round the gone worker already pushed
         # to can complete: fail them all now.
         why = "; ".join(self.gone.values())
-        for rnd in list(self.rounds.values()):
-            if rnd.error is None:
-                self.fail(rnd, "lost", f"tensor {rnd.name!r}: {why}")
-            self.rounds.pop(rnd.rid, None)
+        for agg in list(self.rounds.values()):
+            if agg.error is None:
+                self.fail(agg, "lost", f"tensor {agg.name!r}: {why}")
+            self.rounds.pop(agg.rid, None)
 
     # -- a push: decoded by the table, checked, stored, summed -----------------------
     def on_push(self, route: bytes, push: Push, frames: list) -> None:
@@ -122,17 +122,17 @@ class Rounds:
         self.pushes_by_rank[who.rank] += 1
         if who.region is None and payload is not None:
             self.socket_bytes += len(payload)
-        rnd = self._store(who, push, codec)
-        if rnd is None:
+        agg = self._store(who, push, codec)
+        if agg is None:
             return
         self.names.saw_part(push.key, push.part)
-        if rnd.nbytes <= INLINE_BYTES:
-            if rnd.add(payload if who.region is not None else payload.buffer):
-                rnd.write_back()
-                self.finish(rnd)  # the result doubles as this push's acknowledgement
+        if agg.nbytes <= INLINE_BYTES:
+            if agg.add(payload if who.region is not None else payload.buffer):
+                agg.write_back()
+                self.finish(agg)  # the result doubles as this push's acknowledgement
                 return
         else:
-            self.pool.submit(rnd, payload)
+            self.pool.submit(agg, payload)
         if push.ack:
             self.reply(who, Ack(req=push.req), ())
 
@@ -203,15 +203,15 @@ class Rounds:
             return "changed", f"tensor {push.name!r}: generation {push.gen} of the job has ended"
         return None
 
-    def expected_ranks(self, rnd: Round) -> frozenset[int] | range:
-        """The ranks whose pushes complete ``rnd``: every worker's, or each host's leader's."""
-        return self.leaders if rnd.hosted else range(self.size)
+    def expected_ranks(self, agg: Aggregation) -> frozenset[int] | range:
+        """The ranks whose pushes complete ``agg``: every worker's, or each host's leader's."""
+        return self.leaders if agg.hosted else range(self.size)
 
-    def _store(self, who: Contribution, push: Push, codec: Any) -> Round | None:
+    def _store(self, who: Contribution, push: Push, codec: Any) -> Aggregation | None:
         """The push's round, with the push in it; None if the round failed (everyone told)."""
         rid = (push.gen, push.key, push.part, push.seq)
-        rnd = self.rounds.get(rid)
-        if rnd is None:
+        agg = self.rounds.get(rid)
+        if agg is None:
             merge = (codec[1], codec[2]) if codec is not None else (False, None)
             if push.hosted and who.rank not in self.leaders:
                 self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed a host's sum but "
@@ -226,62 +226,62 @@ class Rounds:
             if why is not None:
                 self._error(who, "protocol", f"tensor {push.name!r}: server {self.addr}: {why}")
                 return None
-            rnd = Round(rid, push.name, push.signature, push.wire, push.count,
+            agg = Aggregation(rid, push.name, push.signature, push.wire, push.count,
                         len(self.leaders) if push.hosted else self.size, codec[0] if codec is not None else None, merge)
-            rnd.hosted = push.hosted
-            self.rounds.open(rid, rnd, who.rank, held)
-        elif who.rank in rnd.pushes:
+            agg.hosted = push.hosted
+            self.rounds.open(rid, agg, who.rank, held)
+        elif who.rank in agg.pushes:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
             return None
-        if rnd.error is not None:  # the round failed already: this push only hears why
-            rnd.pushes[who.rank] = who
-            self._error(who, "mismatch", rnd.error)
-            if len(rnd.pushes) >= rnd.expected:
+        if agg.error is not None:  # the round failed already: this push only hears why
+            agg.pushes[who.rank] = who
+            self._error(who, "mismatch", agg.error)
+            if len(agg.pushes) >= agg.expected:
                 self.rounds.pop(rid, None)
             return None
-        rnd.error = rnd.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
-        if rnd.error is None and push.hosted != rnd.hosted:  # also a non-leader's host sum
-            rnd.error = (f"tensor {push.name!r}: ranks {sorted(rnd.pushes)} and rank {who.rank} disagree on "
+        agg.error = agg.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
+        if agg.error is None and push.hosted != agg.hosted:  # also a non-leader's host sum
+            agg.error = (f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on "
                          "reducing by host first (BPS_GOSSIP_HOST_REDUCE, compression)")
-        rnd.pushes[who.rank] = who
-        if rnd.error is not None:
-            self.fail(rnd, "mismatch", rnd.error)
+        agg.pushes[who.rank] = who
+        if agg.error is not None:
+            self.fail(agg, "mismatch", agg.error)
             return None
-        return rnd
+        return agg
 
     # -- results and failures --------------------------------------------------------
     def _error(self, who: Contribution, kind: str, why: str) -> None:
         self.reply(who, Error(req=who.req, kind=kind, why=why), ())
 
-    def fail(self, rnd: Round, kind: str, why: str) -> None:
-        """Fail ``rnd``: every worker that pushed to it gets ``why``."""
-        rnd.error = why
-        for who in rnd.pushes.values():
+    def fail(self, agg: Aggregation, kind: str, why: str) -> None:
+        """Fail ``agg``: every worker that pushed to it gets ``why``."""
+        agg.error = why
+        for who in agg.pushes.values():
             self._error(who, kind, why)
-        if len(rnd.pushes) >= rnd.expected:
-            self.rounds.pop(rnd.rid, None)
+        if len(agg.pushes) >= agg.expected:
+            self.rounds.pop(agg.rid, None)
 
-    def finish(self, rnd: Round) -> None:
+    def finish(self, agg: Aggregation) -> None:
         """Every worker pushed: send each the sum."""
-        self.rounds.pop(rnd.rid, None)
-        if rnd.error is not None:
+        self.rounds.pop(agg.rid, None)
+        if agg.error is not None:
             return
         self.rounds_done += 1
-        if rnd.codec is not None:  # one compression of the sum; every worker gets the same bytes
-            ef, seed = rnd.merge
-            _, key, part, seq = rnd.rid
+        if agg.codec is not None:  # one compression of the sum; every worker gets the same bytes
+            ef, seed = agg.merge
+            _, key, part, seq = agg.rid
             state = self.feedback.setdefault((key, part), PartitionState())
-            result = merge_on_server(ef, rnd.codec, rnd.acc, state, rng_for(seed, part, seq, 1))
-            for who in rnd.pushes.values():
+            result = merge_on_server(ef, agg.codec, agg.acc, state, rng_for(seed, part, seq, 1))
+            for who in agg.pushes.values():
                 self.reply(who, Result(req=who.req), (result,))
             return
         # A sum that lives in a worker's region goes to remote workers as a copy, taken before
         # anyone hears of the result: that worker reuses its region for its next push as soon as
         # it has read the sum, and ZeroMQ sends frames later still.
-        remote = any(who.region is None for who in rnd.pushes.values())
-        frame = rnd.acc.copy() if remote and rnd.acc_in_region else rnd.acc
-        for who in rnd.pushes.values():
+        remote = any(who.region is None for who in agg.pushes.values())
+        frame = agg.acc.copy() if remote and agg.acc_in_region else agg.acc
+        for who in agg.pushes.values():
             if who.region is not None:  # the sum is already in its region (write_back)
                 self.reply(who, Result.made(req=who.req, shm=True), ())
             else:
@@ -289,13 +289,13 @@ class Rounds:
 
     def pool_done(self, rid: RoundId, error: str | None) -> None:
         """A round the pool completed (or whose summation failed)."""
-        rnd = self.rounds.get(rid)
-        if rnd is None:
+        agg = self.rounds.get(rid)
+        if agg is None:
             return
         if error is not None:
-            self.fail(rnd, "protocol", f"tensor {rnd.name!r}: {error}")
+            self.fail(agg, "protocol", f"tensor {agg.name!r}: {error}")
         else:
-            self.finish(rnd)
+            self.finish(agg)
 
     def expire(self, now: float) -> list[Stalled]:
         """Fail what waited past BPS_GOSSIP_TIMEOUT; return the stalls to report (elastic)."""
@@ -307,34 +307,34 @@ class Rounds:
                         f"server {self.addr}: no address book of generation {push.gen} within "
                         f"{timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
         stalls = []
-        for rnd in list(self.rounds.values()):
-            stall = self._stall(rnd, now)
+        for agg in list(self.rounds.values()):
+            stall = self._stall(agg, now)
             if stall is not None:
                 stalls.append(stall)
-            if rnd.error is None and now - rnd.created > timeout:
-                missing = sorted(set(self.expected_ranks(rnd)) - set(rnd.pushes))
-                self.fail(rnd, "timeout", f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} did not "
+            if agg.error is None and now - agg.created > timeout:
+                missing = sorted(set(self.expected_ranks(agg)) - set(agg.pushes))
+                self.fail(agg, "timeout", f"tensor {agg.name!r} partition {agg.rid[2]}: ranks {missing} did not "
                                           f"push within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
-                self.rounds.pop(rnd.rid, None)
+                self.rounds.pop(agg.rid, None)
         return stalls
 
-    def _stall(self, rnd: Round, now: float) -> Stalled | None:
+    def _stall(self, agg: Aggregation, now: float) -> Stalled | None:
         """Elastic: ranks that others have waited on for BPS_GOSSIP_STALL_TIMEOUT are reported
         (once per round) to the scheduler, which removes them like lost workers. Only when they are
         no more than those waiting: a majority missing means the pushers are early, not stuck."""
         stall = self.config.stall_timeout
-        if not self.config.elastic or not stall or rnd.stall_reported or rnd.error is not None \
-                or now - rnd.created <= stall:
+        if not self.config.elastic or not stall or agg.stall_reported or agg.error is not None \
+                or now - agg.created <= stall:
             return None
-        rnd.stall_reported = True
-        if rnd.hosted:  # a missing leader waits on its host: the leader reports whom (host_reduce)
+        agg.stall_reported = True
+        if agg.hosted:  # a missing leader waits on its host: the leader reports whom (host_reduce)
             return None
-        missing = sorted(set(self.expected_ranks(rnd)) - set(rnd.pushes))
-        if not missing or len(missing) > len(rnd.pushes):
+        missing = sorted(set(self.expected_ranks(agg)) - set(agg.pushes))
+        if not missing or len(missing) > len(agg.pushes):
             return None
-        return Stalled(ranks=missing, generation=rnd.rid[0],
-                       why=f"pushed nothing of {rnd.name!r} for {now - rnd.created:.1f} s "
-                           f"while ranks {sorted(rnd.pushes)} waited on server {self.addr}")
+        return Stalled(ranks=missing, generation=agg.rid[0],
+                       why=f"pushed nothing of {agg.name!r} for {now - agg.created:.1f} s "
+                           f"while ranks {sorted(agg.pushes)} waited on server {self.addr}")
 
     def close(self) -> None:
         """Unmap the workers' segments."""

@@ -5,7 +5,7 @@ the engine thread.
 - A local (not its host's leader) pushes every uncompressed partition to its leader, through
   a DEALER to the leader's peer socket, from its shared-memory segment; the leader's replies
   (Ack, Result, Error) are read like a server's.
-- A leader of other workers collects theirs in :class:`~bps_gossip.worker.host_reduce.HostRounds`
+- A leader of other workers collects theirs in :class:`~bps_gossip.worker.host_reduce.HostAggregations`
   and pushes one sum per partition, marked ``hosted``.
 - A worker alone on its host pushes ``hosted`` too (the servers count hosts, not workers).
 - Where one host holds the whole job (``whole_job``), the leader's sums are the results: no
@@ -30,7 +30,7 @@ from ..protocol import Error, Push, send
 from ..sum_threads import SumThreads
 from ..transport.data_path import Route
 from ..transport.sockets import SocketRole, open_socket
-from .host_reduce import HostRounds, host_route
+from .host_reduce import HostAggregations, host_route
 from .operation import Operation
 from .scheduler_link import Book
 
@@ -63,7 +63,7 @@ class HostLink:
         self.generation = 0
         self.sock: zmq.Socket | None = None  # a local: the DEALER to its leader
         self.route: Route | None = None  # ... and how payloads reach it: by name, in this host's memory
-        self.rounds: HostRounds | None = None  # a leader of other workers
+        self.rounds: HostAggregations | None = None  # a leader of other workers
         self.peer_sock = peer_sock  # this worker's peer ROUTER: a leader answers its locals on it
         self.threads = SumThreads(config.server_engine_threads, "hostsum")  # a leader's large sums
         self._early: list[tuple[float, bytes, Push]] = []
@@ -86,7 +86,7 @@ class HostLink:
         self.gone = {}
         self.leader_left = 0.0
         if len(group) > 1 and self.leader == book.rank:
-            self.rounds = HostRounds(self.config, book.rank, book.generation, group, book.workers,
+            self.rounds = HostAggregations(self.config, book.rank, book.generation, group, book.workers,
                                      self.push, self.fail, self.poison, finish=self.whole_job, threads=self.threads)
             self.rounds.sock = self.peer_sock
         elif len(group) > 1:

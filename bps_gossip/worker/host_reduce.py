@@ -77,13 +77,13 @@ class LocalPush:
 
 
 @dataclasses.dataclass(eq=False)
-class HostRound:
+class HostAggregation:
     """One partition of one tensor of one round on this host."""
 
     rid: HostRoundId
     name: str
-    sig: tuple[dict[str, Any], str, int]  # (dtype, shape and operation; wire dtype; count) of the first push
-    first: int  # the rank that set ``sig``
+    terms: tuple[dict[str, Any], str, int]  # the first push's (signature, wire dtype, count): all must agree
+    first: int  # the rank that set ``terms``
     created: float
     locals: dict[int, LocalPush] = dataclasses.field(default_factory=dict)
     own: tuple[Operation, int] | None = None  # the leader's operation and partition
@@ -94,7 +94,7 @@ class HostRound:
     spread: bool = False  # the sum is in every local's region already (a leader that finishes)
 
 
-class HostRounds:
+class HostAggregations:
     """The open host rounds of a leader (see the module docstring). ``push(op, part)`` sends
     the host's sum of ``op``'s partition to the servers; ``fail(op, error)`` fails the leader's
     own operation; ``sock`` is the leader's peer ROUTER, the locals' replies go out on it."""
@@ -118,7 +118,7 @@ class HostRounds:
         self.fail_own = fail
         self.poison = poison
         self.sock: Any = None
-        self.rounds: dict[HostRoundId, HostRound] = {}
+        self.rounds: dict[HostRoundId, HostAggregation] = {}
         self.attached = AttachedSegments(MAX_ATTACHED)
         self.gone: dict[int, str] = {}  # locals lost or gone: no round can complete without them
 
@@ -143,141 +143,141 @@ class HostRounds:
             self._reply(route, Error(req=push.req, kind="protocol", why=f"malformed push to the host leader: {exc}"))
             return
         rid = (push.gen, push.key, push.part, push.seq)
-        rnd = self._round(rid, push.name, (push.signature, push.wire, push.count), rank)
-        if rnd is None:
+        agg = self._round(rid, push.name, (push.signature, push.wire, push.count), rank)
+        if agg is None:
             self._reply(route, Error(req=push.req, kind="protocol",
                                      why=f"host leader {self.rank} has {len(self.rounds)} rounds open"))
             return
-        if rank in rnd.locals:
+        if rank in agg.locals:
             self._reply(route, Error(req=push.req, kind="protocol",
                                      why=f"tensor {push.name!r}: rank {rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice"))
             return
-        rnd.locals[rank] = LocalPush(route, push.req, region)
-        if push.ack and rnd.error is None:
+        agg.locals[rank] = LocalPush(route, push.req, region)
+        if push.ack and agg.error is None:
             self._reply(route, Ack(req=push.req))
-        self._agree(rnd, rank, (push.signature, push.wire, push.count))
-        self._advance(rnd)
+        self._agree(agg, rank, (push.signature, push.wire, push.count))
+        self._advance(agg)
 
     def own(self, op: Operation, part: int) -> None:
         """The leader's own partition is ready (its staged copy holds its data)."""
         offset, count = op.parts[part]
         rid = (self.generation, op.key, part, op.seq)
-        rnd = self._round(rid, op.name, (op.sig, op.send.dtype.str, count), self.rank)
-        if rnd is None:
+        agg = self._round(rid, op.name, (op.sig, op.send.dtype.str, count), self.rank)
+        if agg is None:
             self.fail_own(op, ProtocolError(f"push_pull {op.name!r}: host leader {self.rank} has "
                                             f"{len(self.rounds)} rounds open"))
             return
-        if rnd.own is not None or rnd.own_done:
+        if agg.own is not None or agg.own_done:
             self.fail_own(op, ProtocolError(f"push_pull {op.name!r}: round {op.seq} twice on rank {self.rank}"))
             return
-        rnd.own = (op, part)
+        agg.own = (op, part)
         if op.host_rounds is None:
             op.host_rounds = {}
-        op.host_rounds[part] = rnd
-        self._agree(rnd, self.rank, (op.sig, op.send.dtype.str, count))
-        self._advance(rnd)
+        op.host_rounds[part] = agg
+        self._agree(agg, self.rank, (op.sig, op.send.dtype.str, count))
+        self._advance(agg)
 
-    def _round(self, rid: HostRoundId, name: str, sig: tuple[dict[str, Any], str, int],
-               rank: int) -> HostRound | None:
-        rnd = self.rounds.get(rid)
-        if rnd is None:
+    def _round(self, rid: HostRoundId, name: str, terms: tuple[dict[str, Any], str, int],
+               rank: int) -> HostAggregation | None:
+        agg = self.rounds.get(rid)
+        if agg is None:
             if len(self.rounds) >= MAX_HOST_ROUNDS:
                 return None
-            rnd = self.rounds[rid] = HostRound(rid, name, sig, rank, time.monotonic())
-        return rnd
+            agg = self.rounds[rid] = HostAggregation(rid, name, terms, rank, time.monotonic())
+        return agg
 
-    def _agree(self, rnd: HostRound, rank: int, sig: tuple[dict[str, Any], str, int]) -> None:
+    def _agree(self, agg: HostAggregation, rank: int, terms: tuple[dict[str, Any], str, int]) -> None:
         """Fail the round if ``rank``'s push disagrees with the first one."""
-        if rnd.error is not None or (sig[0] == rnd.sig[0] and np.dtype(sig[1]) == np.dtype(rnd.sig[1])
-                                     and sig[2] == rnd.sig[2]):
+        if agg.error is not None or (terms[0] == agg.terms[0] and np.dtype(terms[1]) == np.dtype(agg.terms[1])
+                                     and terms[2] == agg.terms[2]):
             return
-        why = (f"tensor {rnd.name!r}: rank {rnd.first} pushed {describe_signature(rnd.sig[0])} but rank {rank} "
-               f"pushed {describe_signature(sig[0])}; every rank must push the same shape, dtype and operation")
-        if not rnd.sent:  # the other hosts' ranks must hear it too, not wait for this host's sum
-            rnd.sent = True
+        why = (f"tensor {agg.name!r}: rank {agg.first} pushed {describe_signature(agg.terms[0])} but rank {rank} "
+               f"pushed {describe_signature(terms[0])}; every rank must push the same shape, dtype and operation")
+        if not agg.sent:  # the other hosts' ranks must hear it too, not wait for this host's sum
+            agg.sent = True
             # Both signatures in the text: the other hosts' ranks learn what this host's disagree on.
-            self.poison(rnd.rid, rnd.name, sig[0], f"rank {rnd.first} pushed {describe_signature(rnd.sig[0])}, "
-                                                   f"rank {rank} {describe_signature(sig[0])}")
-        self._fail(rnd, "mismatch", why)
+            self.poison(agg.rid, agg.name, terms[0], f"rank {agg.first} pushed {describe_signature(agg.terms[0])}, "
+                                                   f"rank {rank} {describe_signature(terms[0])}")
+        self._fail(agg, "mismatch", why)
 
-    def _advance(self, rnd: HostRound) -> None:
+    def _advance(self, agg: HostAggregation) -> None:
         """Sum and push once everyone of the host is in; answer what a failed round owes."""
-        if rnd.error is None and self.gone and not rnd.sent:
-            rnd.error = ("lost", f"tensor {rnd.name!r}: " + "; ".join(self.gone.values()))
-        if rnd.error is not None:
-            self._fail(rnd, *rnd.error)
+        if agg.error is None and self.gone and not agg.sent:
+            agg.error = ("lost", f"tensor {agg.name!r}: " + "; ".join(self.gone.values()))
+        if agg.error is not None:
+            self._fail(agg, *agg.error)
             return
-        if rnd.own is None or len(rnd.locals) < len(self.locals) or rnd.sent:
+        if agg.own is None or len(agg.locals) < len(self.locals) or agg.sent:
             return
-        op, part = rnd.own
+        op, part = agg.own
         offset, count = op.parts[part]
-        rnd.sent = rnd.own_done = True
+        agg.sent = agg.own_done = True
         if self.threads is not None and count * op.send.dtype.itemsize > IN_CACHE:
-            self.threads.submit(lambda: self._reduce(rnd, op, offset, count),
-                                lambda done: self._reduced(rnd, op, part, done.exception()))
+            self.threads.submit(lambda: self._reduce(agg, op, offset, count),
+                                lambda done: self._reduced(agg, op, part, done.exception()))
             return
-        self._reduce(rnd, op, offset, count)
-        self._reduced(rnd, op, part, None)
+        self._reduce(agg, op, offset, count)
+        self._reduced(agg, op, part, None)
 
-    def _reduce(self, rnd: HostRound, op: Operation, offset: int, count: int) -> None:
+    def _reduce(self, agg: HostAggregation, op: Operation, offset: int, count: int) -> None:
         """The host's sum into the leader's region; where it is the result, also into the
         leader's output and every local's region (on a summation thread for large rounds)."""
         if not count:
             return
         mine = op.region(offset, count)
-        regions = [local.region for local in rnd.locals.values()]
+        regions = [local.region for local in agg.locals.values()]
         add_into(mine, regions)
         if self.finish:  # one pass over the sum (block by block) fills the output and every local
             copy_to(mine, regions if op.leased else [op.out[offset:offset + count], *regions])  # leased: mine is out
-            rnd.spread = True
+            agg.spread = True
 
-    def _reduced(self, rnd: HostRound, op: Operation, part: int, error: BaseException | None) -> None:
-        if self.closed or rnd.error is not None or op.failed:
+    def _reduced(self, agg: HostAggregation, op: Operation, part: int, error: BaseException | None) -> None:
+        if self.closed or agg.error is not None or op.failed:
             return  # failed meanwhile: everyone was told
         if error is not None:
-            self._fail(rnd, "protocol", f"tensor {rnd.name!r}: host leader {self.rank} failed to sum: {error!r}")
+            self._fail(agg, "protocol", f"tensor {agg.name!r}: host leader {self.rank} failed to sum: {error!r}")
             return
         self.push(op, part)
 
     # -- what the servers answer -----------------------------------------------------
     def result(self, op: Operation, part: int) -> None:
         """The servers' sum of a hosted partition is in ``op.out``: hand it to the locals."""
-        rnd = op.host_rounds.pop(part, None) if op.host_rounds else None
-        if rnd is None or rnd.error is not None:
+        agg = op.host_rounds.pop(part, None) if op.host_rounds else None
+        if agg is None or agg.error is not None:
             return
-        self.rounds.pop(rnd.rid, None)
+        self.rounds.pop(agg.rid, None)
         offset, count = op.parts[part]
-        if count and not rnd.spread:
-            copy_to(op.out[offset:offset + count], [local.region for local in rnd.locals.values()])
-        for local in rnd.locals.values():
+        if count and not agg.spread:
+            copy_to(op.out[offset:offset + count], [local.region for local in agg.locals.values()])
+        for local in agg.locals.values():
             self._reply(local.route, Result(req=local.req, shm=True))
             local.route = b""
 
     def op_failed(self, op: Operation, error: BaseException) -> None:
         """The leader's operation failed: so do its host rounds, for everyone in them."""
-        for rnd in list((op.host_rounds or {}).values()):
-            rnd.own, rnd.own_done = None, True
-            self._fail(rnd, kind_of(error), str(error))
+        for agg in list((op.host_rounds or {}).values()):
+            agg.own, agg.own_done = None, True
+            self._fail(agg, kind_of(error), str(error))
         if op.host_rounds:
             op.host_rounds.clear()
 
     # -- failures --------------------------------------------------------------------
-    def _fail(self, rnd: HostRound, kind: str, why: str) -> None:
-        """Fail ``rnd``: every local in it hears why (once), and the leader's operation fails.
+    def _fail(self, agg: HostAggregation, kind: str, why: str) -> None:
+        """Fail ``agg``: every local in it hears why (once), and the leader's operation fails.
         The round stays (answering the late) until everyone of the host was told."""
-        rnd.error = (kind, why)
-        for local in rnd.locals.values():
+        agg.error = (kind, why)
+        for local in agg.locals.values():
             if local.route:
                 self._reply(local.route, Error(req=local.req, kind=kind, why=why))
                 local.route = b""  # told
-        if rnd.own is not None:
-            op, _ = rnd.own
-            rnd.own, rnd.own_done = None, True
+        if agg.own is not None:
+            op, _ = agg.own
+            agg.own, agg.own_done = None, True
             if not op.failed:
                 self.fail_own(op, error_for(kind, why))
-        if len(rnd.locals) >= len(self.locals) and rnd.own_done:
-            self.rounds.pop(rnd.rid, None)
+        if len(agg.locals) >= len(self.locals) and agg.own_done:
+            self.rounds.pop(agg.rid, None)
 
     def worker_gone(self, rank: int, why: str) -> None:
         """A worker was lost or left: the rounds still waiting for it cannot complete (in a job
@@ -286,25 +286,25 @@ class HostRounds:
             return  # another host's: the new generation fails what needs it
         self.gone[rank] = why
         why = "; ".join(self.gone.values())
-        for rnd in list(self.rounds.values()):
+        for agg in list(self.rounds.values()):
             # Not elastic: the servers refuse every push from now on, so nothing can complete.
-            if not rnd.sent and (rank not in rnd.locals or not self.config.elastic):
-                self._fail(rnd, "lost", f"tensor {rnd.name!r}: {why}")
-                self.rounds.pop(rnd.rid, None)
+            if not agg.sent and (rank not in agg.locals or not self.config.elastic):
+                self._fail(agg, "lost", f"tensor {agg.name!r}: {why}")
+                self.rounds.pop(agg.rid, None)
 
     def expire(self, now: float) -> None:
         """Fail rounds still missing pushes after BPS_GOSSIP_TIMEOUT."""
         timeout = self.config.timeout
-        for rnd in list(self.rounds.values()):
-            if rnd.sent or now - rnd.created <= timeout:
+        for agg in list(self.rounds.values()):
+            if agg.sent or now - agg.created <= timeout:
                 continue
-            if rnd.error is not None:  # failed, and whoever never came will not be told
-                self.rounds.pop(rnd.rid, None)
+            if agg.error is not None:  # failed, and whoever never came will not be told
+                self.rounds.pop(agg.rid, None)
                 continue
-            missing = sorted(r for r in self.members if r not in rnd.locals and (r != self.rank or rnd.own is None))
-            self._fail(rnd, "timeout", f"tensor {rnd.name!r} partition {rnd.rid[2]}: ranks {missing} of host "
+            missing = sorted(r for r in self.members if r not in agg.locals and (r != self.rank or agg.own is None))
+            self._fail(agg, "timeout", f"tensor {agg.name!r} partition {agg.rid[2]}: ranks {missing} of host "
                                        f"leader {self.rank} did not push within {timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")
-            self.rounds.pop(rnd.rid, None)
+            self.rounds.pop(agg.rid, None)
 
     def overdue(self, now: float, after: float) -> list[tuple[list[int], str]]:
         """Ranks this leader's host has waited on for ``after`` seconds, each round once (elastic:
@@ -312,26 +312,26 @@ class HostRounds:
         did not push, or this leader itself when every local did and its own training did not (its
         engine still runs; the scheduler removes it only if its heartbeats say it started nothing)."""
         found = []
-        for rnd in self.rounds.values():
-            if rnd.sent or rnd.stall_reported or now - rnd.created <= after:
+        for agg in self.rounds.values():
+            if agg.sent or agg.stall_reported or now - agg.created <= after:
                 continue
-            missing = sorted(self.locals - rnd.locals.keys())
-            if rnd.own is not None and missing:
-                found.append((missing, f"pushed nothing of {rnd.name!r} to host leader {self.rank} for "
-                                       f"{now - rnd.created:.1f} s"))
-            elif rnd.own is None and not missing:
-                found.append(([self.rank], f"host leader {self.rank} pushed nothing of {rnd.name!r} for "
-                                           f"{now - rnd.created:.1f} s while every worker of its host had"))
+            missing = sorted(self.locals - agg.locals.keys())
+            if agg.own is not None and missing:
+                found.append((missing, f"pushed nothing of {agg.name!r} to host leader {self.rank} for "
+                                       f"{now - agg.created:.1f} s"))
+            elif agg.own is None and not missing:
+                found.append(([self.rank], f"host leader {self.rank} pushed nothing of {agg.name!r} for "
+                                           f"{now - agg.created:.1f} s while every worker of its host had"))
             else:
                 continue  # the leader and a local both missing: either may be the one that waits
-            rnd.stall_reported = True
+            agg.stall_reported = True
         return found
 
     def close(self, kind: str, why: str) -> None:
         """End this generation's rounds (everyone in them told why)."""
-        for rnd in list(self.rounds.values()):
-            rnd.own, rnd.own_done = None, True  # the engine fails the leader's operations itself
-            self._fail(rnd, kind, why)
+        for agg in list(self.rounds.values()):
+            agg.own, agg.own_done = None, True  # the engine fails the leader's operations itself
+            self._fail(agg, kind, why)
         self.rounds.clear()
         self.closed = True
         if self.threads is not None:

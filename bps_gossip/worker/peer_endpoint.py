@@ -4,7 +4,7 @@ generation (:class:`~bps_gossip.worker.peers.PeerChannel`). Runs on the engine t
 
 A peer that already has the next generation's address book may gossip before this worker
 has it: such messages are kept (bounded) and handed to the new channel when the book
-arrives. Rounds of generations that ended are dropped; nobody waits for them.
+arrives. Aggregations of generations that ended are dropped; nobody waits for them.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class ServerLinks(LinkFailures, CallerSends):
             return
         if op.traced:  # queued until the locals were in; its push_pull is the sum and the copies out
             self._queued(op, index)
-        self._stored(op, index)  # HostRounds put the sum in the output and the locals' regions
+        self._stored(op, index)  # HostAggregations put the sum in the output and the locals' regions
 
     def _queued(self, op: Operation, index: int) -> None:
         """A traced partition leaves the queue now (BYTEPS_TRACE_ON's QUEUE stage)."""

@@ -19,7 +19,7 @@ from bps_gossip.protocol import MESSAGES, BookEntry, Push
 from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.shm import OwnedSegment, owner_pid
 from bps_gossip.worker import host_reduce
-from bps_gossip.worker.host_reduce import MAX_HOST_ROUNDS, HostRounds, host_route
+from bps_gossip.worker.host_reduce import MAX_HOST_ROUNDS, HostAggregations, host_route
 from bps_gossip.worker.operation import Operation
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,7 +29,7 @@ SIG = {"dtype": "float32", "shape": [6], "kind": "sum"}
 
 @dataclasses.dataclass
 class Setup:
-    rounds: HostRounds
+    rounds: HostAggregations
     router: zmq.Socket
     locals: dict[int, zmq.Socket]
     pushed: list
@@ -54,7 +54,7 @@ def host():
         op.failed = True
         failed.append((op, error))
 
-    rounds = HostRounds(Config(timeout=0.5), 0, 3, (0, 1, 2), workers, lambda op, part: pushed.append((op, part)),
+    rounds = HostAggregations(Config(timeout=0.5), 0, 3, (0, 1, 2), workers, lambda op, part: pushed.append((op, part)),
                         fail, lambda *args: poisoned.append(args))
     rounds.sock = router
     dealers = {}

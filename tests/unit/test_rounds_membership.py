@@ -1,4 +1,4 @@
-"""The server's aggregation Round and the scheduler's Membership in one process, through their
+"""The server's aggregation Aggregation and the scheduler's Membership in one process, through their
 public methods: sums, signature mismatches, rank assignment, elastic joins and leaves."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 from bps_gossip.errors import ConfigError
 from bps_gossip.protocol.data import describe_signature
 from bps_gossip.scheduler.membership import Membership, Node
-from bps_gossip.server.aggregation import Contribution, Round
+from bps_gossip.server.aggregation import Aggregation, Contribution
 
 SIG = {"dtype": "float32", "shape": [2, 3], "kind": "sum"}
 
 
-# -- Round ------------------------------------------------------------------------------
+# -- Aggregation ------------------------------------------------------------------------------
 def make_round(expected=3, sig=SIG, wire="float32", count=6):
-    return Round((1, 42, 0, 0), "w", dict(sig), wire, count, expected)
+    return Aggregation((1, 42, 0, 0), "w", dict(sig), wire, count, expected)
 
 
 def test_round_sums_every_push_and_says_when_the_last_came():

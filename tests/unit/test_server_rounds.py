@@ -11,7 +11,7 @@ import pytest
 from bps_gossip.config import Config
 from bps_gossip.protocol import AddressBook, BookEntry, Error, Push, Result
 from bps_gossip.server.pool import SumPool
-from bps_gossip.server.rounds import INLINE_BYTES, Rounds
+from bps_gossip.server.rounds import INLINE_BYTES, Aggregations
 
 UIDS = [bytes([65 + rank]) * 8 for rank in range(3)]
 
@@ -28,7 +28,7 @@ class Frame(bytes):
 def rig():
     replies = []
     pool = SumPool(2)
-    rounds = Rounds(Config(), "tcp://test:1", lambda who, msg, payloads: replies.append((who, msg, payloads)), pool)
+    rounds = Aggregations(Config(), "tcp://test:1", lambda who, msg, payloads: replies.append((who, msg, payloads)), pool)
     yield rounds, pool, replies
     pool.close()
     rounds.close()
@@ -45,7 +45,7 @@ def push(rank: int, array: np.ndarray, seq: int = 0, gen: int = 1, name: str = "
     return UIDS[rank], msg, [Frame(array.tobytes())]
 
 
-def wait_pool(rounds: Rounds, pool: SumPool) -> None:
+def wait_pool(rounds: Aggregations, pool: SumPool) -> None:
     while rounds.rounds:
         select.select([pool.fileno()], [], [], 5)
         for rid, error in pool.finished():
