@@ -10,8 +10,8 @@ from cluster import assert_all_ok
 
 
 def on_three_servers(cluster, scenario: str, timeout: float) -> list[dict]:
-    """Each rank's report of server_balance_job's ``scenario``, run by 2 workers pushing to 3 servers (host reduce off:
-    on one host the lowest rank would sum, and no server would take a push)."""
+    """Each rank's report of server_balance_job's ``scenario``, run by 2 workers pushing to 3
+    servers (host reduce off: on one host the lowest rank would sum, and no server would take a push)."""
     job = cluster(2, servers=3, env={"BYTEPS_PARTITION_BYTES": "65536", "BPS_GOSSIP_HOST_REDUCE": "off"})
     done = job.run_job("server_balance_job", scenario, timeout=timeout)
     assert_all_ok(done, job)
