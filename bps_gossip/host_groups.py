@@ -55,7 +55,7 @@ def host_groups(workers: Sequence[BookEntry], servers: Sequence[str]) -> list[tu
 def one_host_job(workers: Sequence[BookEntry]) -> bool:
     """Whether every worker of the job is on one host and none turned the host reduce off: its
     leader's sums are then push_pull's results and the servers take no uncompressed push
-    (bps_gossip.worker.host_link; gossip keeps to ``host_groups``)."""
+    (bps_gossip.worker.host_reduce; gossip keeps to ``host_groups``)."""
     return len(workers) > 1 and all(worker.host_reduce != "off" for worker in workers) \
         and len({endpoint_host(worker.addr) for worker in workers}) == 1
 

@@ -10,7 +10,7 @@ from . import runtime
 from .errors import NotInitializedError
 from .transport.shm import SegmentPool
 from .worker.engine import Engine
-from .worker.host_link import HostLink
+from .worker.host_reduce import HostLink
 from .worker.scheduler_link import Book
 from .worker.server_links import ServerLinks
 

@@ -7,7 +7,7 @@ auto (each host's leader pushes for it), side by side in one run:
 - training: STEPS steps of DistributedTrainer(mode='allreduce') on an MLP (--hidden wide) with
   random data (the gradients of each step are push_pulled in fused buckets);
 - gossip: the same in the default mode (gossip): flat, every worker sends its own messages;
-  by host (auto), each host's leader one message per host pair (bps_gossip.gossip.hosts).
+  by host (auto), each host's leader one message per host pair (bps_gossip.gossip.by_host).
 
 It prints, per link rate, the time per step, the bytes the server's link carried in and
 what the first worker host's link sent (from the kernel's counters of their namespaces),

@@ -11,7 +11,7 @@ and ``result(timeout)`` on it (see :func:`bps_gossip.futures.wait`), and
 
 A link may also have ``host_groups()``: the ranks of each host when the job reduces by
 host, leader first (the worker's link does); gossip then goes by host where it fits
-(:mod:`.hosts`).
+(:mod:`.by_host`).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ _SPECS: dict[SocketRole, _Spec] = {
     # no replies read) on send; credit bounds large partitions, the caller's arrays the rest.
     SocketRole.TO_SERVER: _Spec(zmq.DEALER, False, 0, unbounded=True, needs_identity=True),
     # A ROUTER drops what exceeds its send high-water mark: a host leader's answers to its locals'
-    # pushes (worker.host_link) are bounded by what they pushed, like a server's.
+    # pushes (worker.host_reduce) are bounded by what they pushed, like a server's.
     # It lingers so that a leader's last answers still reach its locals after it shut down.
     SocketRole.PEER: _Spec(zmq.ROUTER, True, 1000, unbounded_send=True,
                            max_frame=lambda c: c.max_message_bytes + MAX_HEADER_BYTES),

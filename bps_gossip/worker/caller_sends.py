@@ -17,7 +17,7 @@ from typing import Any
 
 from ..protocol.data import SMALL_PUSH_BYTES
 from ..transport.receive import readable
-from .host_link import Way
+from .host_reduce import Way
 from .operation import Operation
 from .server_choice import server_of
 

@@ -48,7 +48,7 @@ class PeerEndpoint:
         self.next_generation = 0  # announced by the scheduler, book not here yet
         self._early: list[tuple[bytes, Gossip, list[zmq.Frame]]] = []
         self._drops = DropLog(log, "peer message")
-        # A host leader's locals push to this socket too (worker.host_link); the engine routes them.
+        # A host leader's locals push to this socket too (worker.host_reduce); the engine routes them.
         self.on_push: Callable[[bytes, Push], None] = on_push or self._no_push
         # operations this rank started on a name (the engine counts them): a peer's collective
         # this rank has not entered means the ranks are out of step

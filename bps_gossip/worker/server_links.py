@@ -12,7 +12,7 @@ one is in. Servers acknowledge a large push on receipt, so credit measures data 
 transit, not rounds waiting for slower workers: two workers that enqueue tensors in
 different orders can never deadlock each other. Servers on this host get payloads through
 shared memory (``stage`` copies them in on the caller's thread). A job that reduces by host
-sends partitions through this worker's host leader or as its host's sum (worker.host_link).
+sends partitions through this worker's host leader or as its host's sum (worker.host_reduce).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..transport.receive import DropLog, drain
 from ..transport.shm import SegmentPool
 from ..transport.sockets import SocketRole, open_socket
 from .caller_sends import CallerSends
-from .host_link import HostLink, Way
+from .host_reduce import HostLink, Way
 from .link_failures import LEADER, LinkFailures
 from .operation import Operation
 from .scheduler_link import Book

@@ -28,8 +28,8 @@ import bps_gossip as core
 from bps_gossip import runtime
 from bps_gossip.compression import CompressionSpec
 from bps_gossip.gossip.averager import GossipAverager
+from bps_gossip.gossip.by_host import HostAverager, fits
 from bps_gossip.gossip.choco import ChocoAverager
-from bps_gossip.gossip.hosts import HostAverager, fits
 from bps_gossip.gossip.link import default_link
 from bps_gossip.protocol.data import MAX_ARRAYS
 
@@ -88,7 +88,7 @@ class ParameterGossip:
         _live.add(self)
 
     def _host_groups(self) -> list[tuple[int, ...]] | None:
-        """The hosts gossip goes by (bps_gossip.gossip.hosts: exact within a host, one message
+        """The hosts gossip goes by (bps_gossip.gossip.by_host: exact within a host, one message
         per host pair), or None: flat gossip (compressed, rounds left open, no host reduce,
         hosts of unequal size)."""
         if self.compression is not None or core.size() == 1:

@@ -56,7 +56,7 @@ def test_a_stuck_host_leader_is_removed():
 
 @pytest.mark.timeout(200)
 def test_gossip_by_host_survives_its_leader_killed():
-    """Gossip by host (bps_gossip.gossip.hosts: one host of three here, the exact average each
+    """Gossip by host (bps_gossip.gossip.by_host: one host of three here, the exact average each
     step): its leader killed mid-round, the others fail the round, shrink and go on."""
     trial = elastic_trials.run_trial(elastic_trials.Trial("gossip", "KILL", 0, 5), timeout=180,
                                      extra_env={"BPS_GOSSIP_HOST_REDUCE": "on", "BYTEPS_LOG_LEVEL": "INFO"})

@@ -1,4 +1,4 @@
-"""Gossip by host (bps_gossip.gossip.hosts) in one process over the fake link: exact within a
+"""Gossip by host (bps_gossip.gossip.by_host) in one process over the fake link: exact within a
 host, one message per host pair between hosts, the average over workers kept."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from fakes import FakeNetwork, run_ranks
 
 from bps_gossip.gossip.averager import GossipAverager
-from bps_gossip.gossip.hosts import HostAverager, fits
+from bps_gossip.gossip.by_host import HostAverager, fits
 
 
 def hosts_of(n, local):

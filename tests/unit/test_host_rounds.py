@@ -18,8 +18,8 @@ from bps_gossip.errors import ProtocolError, TensorMismatchError
 from bps_gossip.protocol import MESSAGES, BookEntry, Push
 from bps_gossip.transport import recv_message, send_message
 from bps_gossip.transport.shm import OwnedSegment, owner_pid
-from bps_gossip.worker import host_reduce
 from bps_gossip.worker.host_reduce import MAX_HOST_ROUNDS, HostAggregations, host_route
+from bps_gossip.worker.host_reduce import aggregations as host_reduce
 from bps_gossip.worker.operation import Operation
 
 pytestmark = pytest.mark.timeout(30)

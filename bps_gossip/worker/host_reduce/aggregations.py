@@ -25,13 +25,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..config import Config
-from ..errors import BpsGossipError, ProtocolError, error_for, kind_of
-from ..protocol import Ack, BookEntry, Error, Message, Push, Result, send
-from ..protocol.data import describe_signature
-from ..sum_threads import SumThreads
-from ..transport.shm import AttachedSegments
-from .operation import Operation
+from ...config import Config
+from ...errors import BpsGossipError, ProtocolError, error_for, kind_of
+from ...protocol import Ack, BookEntry, Error, Message, Push, Result, send
+from ...protocol.data import describe_signature
+from ...sum_threads import SumThreads
+from ...transport.shm import AttachedSegments
+from ..operation import Operation
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once

@@ -5,7 +5,7 @@ the engine thread.
 - A local (not its host's leader) pushes every uncompressed partition to its leader, through
   a DEALER to the leader's peer socket, from its shared-memory segment; the leader's replies
   (Ack, Result, Error) are read like a server's.
-- A leader of other workers collects theirs in :class:`~bps_gossip.worker.host_reduce.HostAggregations`
+- A leader of other workers collects theirs in :class:`~bps_gossip.worker.host_reduce.aggregations.HostAggregations`
   and pushes one sum per partition, marked ``hosted``.
 - A worker alone on its host pushes ``hosted`` too (the servers count hosts, not workers).
 - Where one host holds the whole job (``whole_job``), the leader's sums are the results: no
@@ -23,16 +23,16 @@ from typing import Callable
 
 import zmq
 
-from ..config import Config
-from ..errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
-from ..host_groups import group_of, push_pull_groups
-from ..protocol import Error, Push, send
-from ..sum_threads import SumThreads
-from ..transport.data_path import Route
-from ..transport.sockets import SocketRole, open_socket
-from .host_reduce import HostAggregations, host_route
-from .operation import Operation
-from .scheduler_link import Book
+from ...config import Config
+from ...errors import UNEVEN_STEPS, BpsGossipError, PeerLostError, ProtocolError
+from ...host_groups import group_of, push_pull_groups
+from ...protocol import Error, Push, send
+from ...sum_threads import SumThreads
+from ...transport.data_path import Route
+from ...transport.sockets import SocketRole, open_socket
+from ..operation import Operation
+from ..scheduler_link import Book
+from .aggregations import HostAggregations, host_route
 
 MAX_EARLY = 4096  # locals' pushes held until this leader has the address book of their generation
 LEFT_GRACE = 2.0  # seconds the results a leader sent before it left gracefully may take to arrive
