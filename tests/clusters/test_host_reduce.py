@@ -1,41 +1,21 @@
 """One push per host (bps_gossip.host_groups): workers on one host reduce through shared memory and
 their leader pushes for them. Two emulated hosts on loopback (workers advertising 127.0.0.1
-and 127.0.0.2; both are this machine's loopback), so the default mode (auto) turns it on."""
+and 127.0.0.2; both are this machine's loopback), so the default mode (auto) turns it on. The
+workers run tests/jobs/host_reduce_job.py, and push_pull_job.py for the collectives."""
 
 from __future__ import annotations
 
 import pytest
 from cluster import assert_all_ok
-from test_push_pull import COLLECTIVES, SMALL_PARTS
+from test_push_pull import SMALL_PARTS
 
 AUTO = {"BPS_GOSSIP_HOST_REDUCE": "auto"}  # the default, whatever the test run's environment says
 TWO_HOSTS = {0: {"DMLC_NODE_HOST": "127.0.0.1"}, 1: {"DMLC_NODE_HOST": "127.0.0.1"},
              2: {"DMLC_NODE_HOST": "127.0.0.2"}, 3: {"DMLC_NODE_HOST": "127.0.0.2"}}
 
-# What each rank learned of its place, and what the servers took from whom.
-PLACES = '''
-import threading, numpy as np, bps_gossip as bps
-from bps_gossip import testing
-bps.init()
-rank, size = bps.rank(), bps.size()
-hosts = testing.host_link()
-x = np.arange(300000, dtype=np.float32) * (rank + 1)
-for step in range(5):
-    out = bps.push_pull(x, "grad", average=False)
-    assert np.array_equal(out, np.arange(300000, dtype=np.float32) * sum(range(1, size + 1))), out[:4]
-small = bps.push_pull(np.array([rank], dtype=np.int64), "small", average=False)
-bps.barrier()
-stats = bps.server_stats() if rank == 0 else None
-report({"rank": rank, "hosting": hosts.hosting, "leader": hosts.leader, "small": int(small[0]),
-        "digest": float(out.sum()), "stats": stats,
-        "summation_threads": any(t.name.startswith("bps-hostsum") for t in threading.enumerate())})
-bps.shutdown()
-'''
-
-
 def run(cluster, env, per_rank_env, workers=4, servers=1):
     job = cluster(workers, servers, {**AUTO, **env})
-    done = job.run_workers(PLACES, timeout=80, per_rank_env=per_rank_env)
+    done = job.run_job("host_reduce_job", "places", timeout=80, per_rank_env=per_rank_env)
     assert_all_ok(done, job)
     job.wait_servers_exit()
     return sorted((f.result for f in done), key=lambda r: r["rank"])
@@ -90,7 +70,7 @@ def test_collectives_bit_exact_by_host(cluster, servers, env):
     """Every dtype, shape, output form, broadcast and asynchronous order of test_push_pull, with
     two hosts of two workers reducing by host."""
     job = cluster(4, servers, {**AUTO, **SMALL_PARTS, **env})
-    done = job.run_workers(COLLECTIVES, timeout=140, per_rank_env=TWO_HOSTS)
+    done = job.run_job("push_pull_job", "collectives", timeout=140, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     for f in done:
         assert f.result["checks"] > 900 and f.result["failures"] == [], (f.rank_hint, f.result["failures"])
@@ -101,37 +81,17 @@ def test_collectives_bit_exact_by_host(cluster, servers, env):
 def test_collectives_bit_exact_when_one_host_holds_the_job(cluster):
     """The same checks where the leader's sums are the results (no server takes a push)."""
     job = cluster(3, 1, {"BPS_GOSSIP_HOST_REDUCE": "on", **SMALL_PARTS})
-    done = job.run_workers(COLLECTIVES, timeout=140)
+    done = job.run_job("push_pull_job", "collectives", timeout=140)
     assert_all_ok(done, job)
     for f in done:
         assert f.result["checks"] > 900 and f.result["failures"] == [], (f.rank_hint, f.result["failures"])
     job.wait_servers_exit()
 
 
-MISMATCH = '''
-import time, numpy as np, bps_gossip as bps
-from bps_gossip.errors import TensorMismatchError
-bps.init()
-rank = bps.rank()
-shape = (5,) if rank != 1 else (6,)  # rank 1 is a local of leader 0
-if rank == 0 and LEADER_LATE:  # the leader's round then starts from its local's signature
-    time.sleep(0.5)
-try:
-    bps.push_pull(np.ones(shape, np.float32), "bad", average=False)
-    report({"rank": rank, "error": None})
-except TensorMismatchError as exc:
-    report({"rank": rank, "error": str(exc)})
-# The job goes on: the next push_pull works everywhere.
-out = bps.push_pull(np.ones(3, np.float32), "good", average=False)
-assert np.all(out == bps.size()), out
-bps.shutdown()
-'''
-
-
-def on_two_hosts(cluster, script: str) -> list:
-    """Run ``script`` on 4 workers of two emulated hosts; every one must exit 0."""
+def on_two_hosts(cluster, scenario: str, *args: str) -> list:
+    """Run host_reduce_job's ``scenario`` on 4 workers of two emulated hosts; every one must exit 0."""
     job = cluster(4, 1, AUTO)
-    done = job.run_workers(script, timeout=80, per_rank_env=TWO_HOSTS)
+    done = job.run_job("host_reduce_job", scenario, *args, timeout=80, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     return done
 
@@ -139,29 +99,15 @@ def on_two_hosts(cluster, script: str) -> list:
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("leader_late", [False, True], ids=["leader-first", "local-first"])
 def test_a_mismatch_inside_a_host_fails_every_rank(cluster, leader_late):
-    done = on_two_hosts(cluster, f"LEADER_LATE = {leader_late}\n" + MISMATCH)
+    done = on_two_hosts(cluster, "mismatch", str(leader_late))
     for f in done:
         error = f.result["error"]
         assert error is not None and "'bad'" in error and "(5,)" in error and "(6,)" in error, (f.rank_hint, error)
 
 
-COMPRESSED_AND_PLAIN = '''
-import numpy as np, bps_gossip as bps
-from bps_gossip.compression import CompressionSpec
-bps.init()
-rank, size = bps.rank(), bps.size()
-plain = bps.push_pull(np.full(200000, rank + 1, np.float32), "plain", average=False)
-assert np.all(plain == size * (size + 1) / 2), plain[:4]
-packed = bps.push_pull(np.full(200000, rank + 1.0, np.float32), "packed", average=True,
-                       compression=CompressionSpec("onebit", scaling=True))
-report({"rank": rank, "packed": float(packed.mean())})
-bps.shutdown()
-'''
-
-
 @pytest.mark.timeout(100)
 def test_compressed_tensors_are_pushed_by_every_worker(cluster):
-    done = on_two_hosts(cluster, COMPRESSED_AND_PLAIN)
+    done = on_two_hosts(cluster, "compressed_and_plain")
     values = {f.result["packed"] for f in done}
     assert len(values) == 1 and abs(values.pop() - 2.5) < 1e-5
 
@@ -200,49 +146,12 @@ def test_a_dead_leader_is_replaced_and_training_stays_exact(cluster):
     job.wait_servers_exit()
 
 
-GOSSIP_BY_HOST = '''
-import hashlib, numpy as np, mxnet as mx
-from mxnet import autograd, gluon
-from mxnet.gluon.model_zoo import vision
-import mxnet_plugin as bps
-bps.init()
-rank = bps.rank()
-mx.random.seed(rank)
-net = vision.mobilenet0_25(classes=3)  # BatchNorm's running statistics are gossiped too
-net.initialize(mx.init.Xavier())
-if HYBRIDIZE:
-    net.hybridize()
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01})
-rng = np.random.RandomState(rank)
-loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-for step in range(4):
-    data, label = mx.nd.array(rng.uniform(-1, 1, (4, 3, 32, 32))), mx.nd.array(rng.randint(0, 3, 4))
-    with autograd.record():
-        loss = loss_fn(net(data), label)
-    loss.backward()
-    trainer.step(4)
-def digest():
-    h = hashlib.sha256()
-    for _, p in sorted(net.collect_params().items()):
-        h.update(p.data().asnumpy().tobytes())
-    return h.hexdigest()
-trained = digest()
-averager = type(trainer._mode.gossip.averager).__name__
-finite = all(np.isfinite(p.data().asnumpy()).all() for p in net.collect_params().values())
-distance = trainer.consensus_distance()
-trainer.average_parameters()
-report({"rank": rank, "trained": trained, "averager": averager, "finite": finite, "distance": distance,
-        "averaged": digest()})
-bps.shutdown()
-'''
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
 def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster, hybridize):
     """DistributedTrainer's default mode on two hosts of two, mobilenet0.25: exact within a host,
     one message per host pair between the leaders (tests/unit/test_gossip_hosts.py counts them)."""
-    done = sorted(on_two_hosts(cluster, f"HYBRIDIZE = {hybridize}\n" + GOSSIP_BY_HOST), key=lambda f: f.result["rank"])
+    done = sorted(on_two_hosts(cluster, "gossip_by_host", str(hybridize)), key=lambda f: f.result["rank"])
     results = [f.result for f in done]
     assert all(r["averager"] == "HostAverager" and r["finite"] for r in results), results
     # Two hosts: each round the leaders swap halves, an exact average, so all four hold one model
@@ -255,7 +164,7 @@ def test_gossip_goes_by_host_and_every_worker_of_a_host_holds_one_model(cluster,
 @pytest.mark.timeout(120)
 def test_gossip_stays_flat_without_host_reduce(cluster):
     job = cluster(4, 1, {"BPS_GOSSIP_HOST_REDUCE": "off"})
-    done = job.run_workers("HYBRIDIZE = False\n" + GOSSIP_BY_HOST, timeout=80, per_rank_env=TWO_HOSTS)
+    done = job.run_job("host_reduce_job", "gossip_by_host", "False", timeout=80, per_rank_env=TWO_HOSTS)
     assert_all_ok(done, job)
     results = [f.result for f in sorted(done, key=lambda f: f.result["rank"])]
     assert all(r["averager"] == "GossipAverager" and r["finite"] for r in results), results
