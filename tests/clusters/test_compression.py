@@ -1,7 +1,7 @@
 """Gradient compression against a numpy re-implementation written here, as BytePS's own
 tests do: each compressor alone, then real push_pulls (worker: momentum, error feedback,
 compress; server: decompress, sum, error feedback, compress; worker: decompress) equal to
-the reference computed from every rank's gradients."""
+the reference computed from every rank's gradients. The workers run tests/jobs/compression_job.py."""
 
 from __future__ import annotations
 
@@ -195,22 +195,7 @@ def reference_run(params, workers):
 def test_compressed_push_pull_equals_the_reference(cluster):
     specs = [spec for spec in SPECS if spec["compressor"] != "randomk" or "seed" in spec]
     job = cluster(2, 2, {"BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)})
-    done = job.run_workers(f'''
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.compression import CompressionSpec
-        bps.init()
-        out = []
-        for index, params in enumerate({specs!r}):
-            spec = CompressionSpec(**params)
-            rounds = []
-            for step in range({STEPS}):
-                grad = np.random.default_rng([bps.rank(), step]).normal(size={SIZE}).astype(np.float32)
-                rounds.append(bps.push_pull(grad, f"g{{index}}", average=False, compression=spec).tolist())
-            out.append(rounds)
-        small = bps.push_pull(np.ones(10, np.float32), "small", compression=CompressionSpec("onebit"))
-        report({{"rounds": out, "small": small.tolist()}})
-        bps.shutdown()
-    ''', timeout=100)
+    done = job.run_job("compression_job", "compressed_push_pull", json.dumps(specs), STEPS, SIZE, timeout=100)
     assert_all_ok(done, job)
     first, second = (f.result for f in done)
     assert json.dumps(first) == json.dumps(second)  # every rank gets the same bytes
@@ -236,16 +221,8 @@ def test_worker_state_carries_error_and_momentum():
 def test_byteps_trace_file(cluster, tmp_path):
     job = cluster(2, 1, {"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_START_STEP": "2", "BYTEPS_TRACE_END_STEP": "4",
                          "BYTEPS_PARTITION_BYTES": str(PARTITION_BYTES)})
-    done = job.run_workers('''
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.compression import CompressionSpec
-        bps.init()
-        for step in range(6):
-            bps.push_pull(np.ones(10, np.float32), "small")
-            bps.push_pull(np.ones(40000, np.float32), "big", compression=CompressionSpec("topk", k=0.1))
-        bps.shutdown()
-        report("ok")
-    ''', per_rank_env={rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}, timeout=60)
+    trace_dirs = {rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}
+    done = job.run_job("compression_job", "trace_push_pulls", per_rank_env=trace_dirs, timeout=60)
     assert_all_ok(done, job)
     for rank in range(2):
         trace = json.loads((tmp_path / f"rank{rank}" / "0" / "comm.json").read_text())
@@ -271,20 +248,8 @@ def test_byteps_trace_file_has_gossip_rounds(cluster, tmp_path):
     nothing. Gossip rounds are traced like push_pulls: a total per round, with SEND and MIX
     inside it (compressed gossip: the total only)."""
     job = cluster(2, 1, {"BYTEPS_TRACE_ON": "1", "BYTEPS_TRACE_START_STEP": "2", "BYTEPS_TRACE_END_STEP": "4"})
-    done = job.run_workers('''
-        import mxnet as mx, mxnet_plugin as bps
-        bps.init()
-        net = mx.gluon.nn.Dense(3, in_units=4)
-        net.initialize()
-        plain = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-        for step in range(6):
-            with mx.autograd.record():
-                loss = net(mx.nd.ones((2, 4))).sum()
-            loss.backward()
-            plain.step(2)
-        bps.shutdown()
-        report("ok")
-    ''', per_rank_env={rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}, timeout=60)
+    trace_dirs = {rank: {"BYTEPS_TRACE_DIR": str(tmp_path / f"rank{rank}")} for rank in range(2)}
+    done = job.run_job("compression_job", "trace_gossip", per_rank_env=trace_dirs, timeout=60)
     assert_all_ok(done, job)
     for rank in range(2):
         events = json.loads((tmp_path / f"rank{rank}" / "0" / "comm.json").read_text())["traceEvents"]
@@ -303,24 +268,7 @@ def test_compressed_gossip_keeps_the_sum_and_reaches_consensus(cluster, params):
     """CHOCO on a ring of 3: without local updates the sum over ranks never changes and the
     models converge to the average of the starting points."""
     job = cluster(3, 1)
-    done = job.run_workers(f'''
-        import numpy as np, bps_gossip as bps
-        from bps_gossip.compression import CompressionSpec
-        from bps_gossip.gossip.choco import ChocoAverager
-        bps.init()
-        start = np.random.default_rng(bps.rank()).normal(size=5000).astype(np.float32)
-        averager = ChocoAverager({{"w": start}}, CompressionSpec(**{params!r}), gamma=0.2, tag="choco")
-        sums, distances = [], []
-        for rnd in range(150):
-            averager.step()
-            if rnd % 50 == 49:
-                sums.append(bps.push_pull(averager.x["w"].astype(np.float64), f"sum{{rnd}}", average=False).tolist())
-                distances.append(averager.consensus_distance())
-        initial = bps.push_pull(start.astype(np.float64), "initial", average=False)
-        report({{"sums": sums, "initial": initial.tolist(), "distances": distances,
-                 "to_mean": float(np.abs(averager.x["w"] - initial / 3).max())}})
-        bps.shutdown()
-    ''', timeout=100)
+    done = job.run_job("compression_job", "choco", json.dumps(params), timeout=100)
     assert_all_ok(done, job)
     for f in done:
         result = f.result
