@@ -94,7 +94,7 @@ def check_kvstore(out: dict[str, Any], rank: int) -> None:
     fusion = trainer2._kvstore._fusion
     entries = []
     params2 = trainer2._params  # gluon.Trainer's keys index these (sorted by name)
-    keys = [key for key, _ in fusion.signature]  # call index -> gluon.Trainer's key (its parameter's index)
+    keys = [key for key, _ in fusion.planned_calls]  # call index -> gluon.Trainer's key (its parameter's index)
     for indices, name, _ in fusion.buckets:
         entries.append((name if len(indices) > 1 else f"kvstore_{keys[indices[0]]}",
                         [params2[keys[i]] for i in indices]))
