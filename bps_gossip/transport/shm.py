@@ -253,6 +253,12 @@ class SegmentPool:
             self._all.add(segment)
         return segment
 
+    def staged_names(self) -> list[str]:
+        """The names of the tensors whose payloads were copied into one of this pool's segments
+        (kept for reuse): what a test asks to see that nothing was copied."""
+        with self._lock:
+            return sorted(self._free)
+
     def release(self, name: str, segment: OwnedSegment, reusable: bool = True) -> None:
         """Give a segment back; a failed operation's segment is removed instead (a late
         write from a server must never land in a segment that found a new use)."""

@@ -93,7 +93,7 @@ def three_ways() -> None:
     }
     # gradients the worker staged (copied into a segment of the pool's own), by tensor name (a key the
     # KVStore sends alone has its broadcast's name, which is staged: only fused keys are told apart)
-    out["staged"] = sorted(name for name in pool._free if "gradient" in name or "fused" in name)
+    out["staged"] = [name for name in pool.staged_names() if "gradient" in name or "fused" in name]
     report(out)
     bps.shutdown()
 

@@ -357,7 +357,7 @@ def test_unit_and_cluster_tests_are_apart():
     assert "-m" in (ROOT / ".ci" / "pythons").read_text() and "tests/test_" not in (ROOT / ".ci" / "pythons").read_text()
 
 
-INTERNAL_REACH = re.compile(r"\b_rt\(|\bapi\._\w|\bengine\._\w|\brouting\._\w")
+INTERNAL_REACH = re.compile(r"\b_rt\(|\b(?:api|engine|routing|pool|servers|hosts|channel)\._[a-z]\w")
 
 
 def test_tests_use_the_testing_hooks_not_private_names():
