@@ -1,4 +1,4 @@
-"""Authentication and sender identity on real processes.
+"""Authentication and sender identity on real processes (workers: tests/jobs/security_job.py).
 
 Without the job's secret a process completes no handshake: a worker or server says so
 at once, and raw sockets reach nothing. With the secret but without a place in the
@@ -10,49 +10,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from textwrap import dedent
 
 import pytest
 from cluster import assert_all_ok
 from test_launcher import Job, parse_sums
-
-RAW_ATTACKS = '''
-import msgpack, zmq
-from bps_gossip.config import load_config
-from bps_gossip.transport.security import make_socket, routing_id
-
-def raw_socket(address, keys, identity=None):
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, keys, serve=False)
-    sock.setsockopt(zmq.LINGER, 0)
-    # a routing id of its own key's (any other is dropped before a handler sees it)
-    sock.setsockopt(zmq.IDENTITY, identity if identity is not None else routing_id("insider", keys))
-    sock.connect(address)
-    return sock
-
-def answers(sock, header, frames=(), wait_ms=1500):
-    """Send one message; return the header of the answer, or None if nothing came back."""
-    sock.send_multipart([msgpack.packb(header)] + list(frames))
-    if not sock.poll(wait_ms):
-        return None
-    return msgpack.unpackb(sock.recv_multipart()[0])
-'''
 
 
 @pytest.mark.timeout(90)
 def test_a_process_without_the_secret_is_refused_everywhere(cluster):
     job = cluster(2)
     # Workers and a server with a wrong secret or none: a clear error within seconds.
-    bad = job.run_workers('''
-        import time, bps_gossip as bps
-        start = time.monotonic()
-        try:
-            bps.init()
-            report(["joined"])
-        except bps.BpsGossipError as exc:
-            report([type(exc).__name__, str(exc), time.monotonic() - start])
-    ''', per_rank_env={0: {"BPS_GOSSIP_SECRET": "not-the-job-secret-at-all-" + "9f3a" * 8},
-                   1: {"BPS_GOSSIP_SECRET": None}},
-        timeout=30)
+    bad = job.run_job("security_job", "refused",
+                      per_rank_env={0: {"BPS_GOSSIP_SECRET": "not-the-job-secret-at-all-" + "9f3a" * 8},
+                                    1: {"BPS_GOSSIP_SECRET": None}},
+                      timeout=30)
     wrong, missing = sorted(bad, key=lambda f: f.rank_hint)
     assert wrong.result[0] == "ConfigError" and "BPS_GOSSIP_SECRET is not the job's" in wrong.result[1], wrong
     assert missing.result[0] == "ConfigError" and "has no secret and the job has one" in missing.result[1], missing
@@ -65,35 +36,7 @@ def test_a_process_without_the_secret_is_refused_everywhere(cluster):
 
     # The real workers: plain and wrong-key sockets to the scheduler, the server and a peer
     # get no answer and change nothing; the job's push_pull and gossip stay exact.
-    done = job.run_workers(RAW_ATTACKS + dedent('''
-        import os
-        import numpy as np, bps_gossip as bps
-        from bps_gossip import testing
-        from bps_gossip.gossip.averager import GossipAverager
-        from bps_gossip.transport.security import JobKeys
-        bps.init()
-        book = testing.address_book()
-        strangers = {"plain": None, "wrong key": JobKeys.from_secret("y" * 32)}
-        heard = {}
-        for who, keys in strangers.items():
-            heard[who] = [
-                answers(raw_socket(f"tcp://127.0.0.1:{os.environ['DMLC_PS_ROOT_PORT']}", keys),
-                        {"op": "register", "role": "worker", "host": "127.0.0.1", "pid": 1, "local_rank": 0,
-                         "local_size": 1, "DMLC_NUM_WORKER": 2, "DMLC_NUM_SERVER": 1}),
-                answers(raw_socket(book.servers[0], keys),
-                        {"op": "push", "req": 1, "key": 1, "name": "x", "part": 0, "seq": 0, "count": 1,
-                         "wire": "<f8", "dtype": "float64", "shape": [1], "kind": "sum", "gen": book.generation},
-                        [np.full(1, 1e9).tobytes()]),
-                answers(raw_socket(book.workers[1 - bps.rank()].addr, keys),
-                        {"op": "gossip", "tag": "g", "round": 0, "gen": book.generation, "keys": ["w"],
-                         "weight": 0.5, "dtypes": ["<f8"], "counts": [3]}, [np.full(3, 1e9).tobytes()]),
-            ]
-        total = bps.push_pull(np.full(4, bps.rank() + 1.0), "x", average=False)
-        averager = GossipAverager({"w": np.full(3, float(bps.rank()))}, tag="g")
-        averager.step()
-        report({"heard": heard, "sum": total.tolist(), "gossip": averager.debiased()["w"].tolist()})
-        bps.shutdown()
-    '''), timeout=60)
+    done = job.run_job("security_job", "strangers", timeout=60)
     assert_all_ok(done, job)
     for f in done:
         assert f.result["heard"] == {"plain": [None] * 3, "wrong key": [None] * 3}, f.result
@@ -108,38 +51,7 @@ def test_identity_comes_from_the_address_book(cluster):
     tensor as rank 7 of 3, under another name, from a later generation, and gossips as rank 0:
     every push is refused (or held, then expired), and the job's sums and gossip stay exact."""
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "3"})
-    done = job.run_workers(RAW_ATTACKS + dedent('''
-        import time, numpy as np, bps_gossip as bps
-        from bps_gossip import testing
-        from bps_gossip.gossip.averager import GossipAverager
-        from bps_gossip.worker.tensors import key_of
-        bps.init()
-        book = testing.address_book()
-        keys = load_config().keys
-        first = bps.push_pull(np.full(4, bps.rank() + 1.0), "x", average=False)
-        bps.barrier()
-        out = {"first": first.tolist()}
-        if bps.rank() == 0:
-            push = {"op": "push", "req": 5, "key": key_of("x"), "part": 0, "seq": 1, "count": 4, "wire": "<f8",
-                    "dtype": "float64", "shape": [4], "kind": "sum", "rank": 7, "size": 3}
-            server = raw_socket(book.servers[0], keys)
-            spoof = [answers(server, {**push, "name": "x", "gen": book.generation}, [np.full(4, 1e9).tobytes()]),
-                     answers(server, {**push, "name": "not x", "gen": book.generation}, [np.zeros(4).tobytes()]),
-                     answers(server, {**push, "name": "x", "gen": book.generation + 5}, [np.zeros(4).tobytes()],
-                             wait_ms=6000)]
-            out["spoof"] = [(h["op"], h.get("kind"), h.get("why")) for h in spoof]
-            peer = raw_socket(book.workers[1].addr, keys)
-            out["gossip"] = answers(peer, {"op": "gossip", "tag": "g", "round": 0, "src": 0, "gen": book.generation,
-                                           "keys": ["w"], "weight": 0.5, "dtypes": ["<f8"], "counts": [3]},
-                                    [np.full(3, 1e9).tobytes()])
-        bps.barrier()
-        out["second"] = bps.push_pull(np.full(4, bps.rank() + 1.0), "x", average=False).tolist()
-        averager = GossipAverager({"w": np.full(3, float(bps.rank()))}, tag="g")
-        averager.step()
-        out["mixed"] = averager.debiased()["w"].tolist()
-        report(out)
-        bps.shutdown()
-    '''), timeout=60)
+    done = job.run_job("security_job", "insider", timeout=60)
     assert_all_ok(done, job)
     for f in done:
         assert f.result["first"] == f.result["second"] == [3.0] * 4, f.result
