@@ -2,7 +2,8 @@
 one rank took a step more before average_parameters() (both fail at once, saying who waits
 where, instead of at BPS_GOSSIP_TIMEOUT), one rank evaluates alone (the timeout says so), one
 rank stopped early (the loss says after which round); and the evaluation patterns that
-docs/gossip.md gives work, in a job whose ranks are slow by turns without being out of step."""
+docs/gossip.md gives work, in a job whose ranks are slow by turns without being out of step. The
+workers run tests/jobs/uneven_steps_job.py."""
 
 from __future__ import annotations
 
@@ -12,33 +13,6 @@ import pytest
 from cluster import assert_all_ok
 
 from bps_gossip.worker import wait_notices
-
-TRAINER = """
-    import time
-    import mxnet as mx, numpy as np, mxnet_plugin as bps
-    bps.init()
-    rank = bps.rank()
-    net = mx.gluon.nn.Dense(4, in_units=3)
-    net.initialize(mx.init.Constant(0.5))
-    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    x = mx.nd.full((2, 3), rank + 1.0)
-
-    def step():
-        with mx.autograd.record():
-            loss = net(x).sum()
-        loss.backward()
-        trainer.step(2)
-
-    def attempt(work):
-        began = time.monotonic()
-        try:
-            work()
-        except Exception as exc:
-            report([type(exc).__name__, str(exc), time.monotonic() - began])
-            return False
-        report(["ok", "", time.monotonic() - began])
-        return True
-"""
 
 
 def outcomes(done):
@@ -52,13 +26,8 @@ def test_a_step_more_before_average_parameters_fails_at_once_on_both_ranks(clust
     gossip round 3 for rank 0, rank 0 in the average for rank 1. Both would wait out the 30 s
     BPS_GOSSIP_TIMEOUT; each fails within seconds saying where the other waits."""
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "30"})
-    done = job.run_workers(TRAINER + """
-    def work():
-        for _ in range(3 + rank):
-            step()
-        trainer.average_parameters()
-    attempt(work)
-    """, timeout=25)  # before the timeout: the test fails where the ranks would wait it out
+    # timeout 25, before BPS_GOSSIP_TIMEOUT: the test fails where the ranks would wait it out
+    done = job.run_job("uneven_steps_job", "step_more", timeout=25)
     result = outcomes(done)
     waiter, averager = result[1], result[0]
     assert waiter[0] == averager[0] == "RanksOutOfStepError", result
@@ -80,14 +49,7 @@ def test_a_rank_evaluating_alone_is_named_in_the_timeout(cluster):
     round: rank 1's timeout says that rank 0 waits nowhere in bps_gossip and points to the
     pattern for evaluating on one rank."""
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "2"})
-    done = job.run_workers(TRAINER + """
-    def work():
-        for index in range(4):
-            if rank == 0 and index == 2:
-                time.sleep(4)  # evaluating alone
-            step()
-    attempt(work)
-    """, timeout=40)
+    done = job.run_job("uneven_steps_job", "evaluate_alone", timeout=40)
     waiter = outcomes(done)[1]
     assert waiter[0] == "CommTimeoutError", waiter
     assert waiter[1].startswith("gossip 'trainer' round 2 on rank 1: ranks [0] sent nothing within 2.0 s"), waiter
@@ -101,13 +63,7 @@ def test_a_rank_that_stopped_early_is_named_with_its_last_round(cluster):
     """Rank 0 takes 3 steps and shuts down; rank 1 takes a fourth: its loss of rank 0 says
     which round rank 0 sent last and that it took a round fewer."""
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "30"})
-    done = job.run_workers(TRAINER + """
-    def work():
-        for _ in range(3 + rank):
-            step()
-    attempt(work)
-    bps.shutdown()
-    """, timeout=25)
+    done = job.run_job("uneven_steps_job", "stop_early", timeout=25)
     result = outcomes(done)
     assert result[0][0] == "ok", result
     lost = result[1]
@@ -124,38 +80,7 @@ def test_the_evaluation_patterns_work_and_slow_ranks_are_not_out_of_step(cluster
     bps.barrier(). Between them the ranks are slow by turns, in gossip rounds and in the average
     (each waits for the other past the notice, never out of step): the job completes."""
     job = cluster(2, env={"BPS_GOSSIP_TIMEOUT": "2"})
-    done = job.run_workers(TRAINER + """
-    import bps_gossip
-    def slow_by_turns(steps):
-        for index in range(steps):
-            if rank == index % 2:
-                time.sleep(0.7)
-            step()
-
-    def evaluate(inputs):
-        return float((net(mx.nd.array(inputs)).asnumpy().sum(axis=1) > 0).sum())
-
-    def work():
-        slow_by_turns(2)
-        # every rank evaluates its shard, one push_pull sums [correct, count]
-        shard = np.random.RandomState(0).randn(40, 3)[rank::2]
-        totals = mx.nd.array([evaluate(shard), len(shard)])
-        bps.byteps_push_pull(totals, name="eval.totals", is_average=False)
-        assert totals.asnumpy()[1] == 40, totals
-        slow_by_turns(2)
-        if rank == 1:
-            time.sleep(0.7)  # rank 0 waits in the average past the notice
-        trainer.average_parameters()
-        if rank == 0:
-            time.sleep(4.5)  # evaluating alone, longer than BPS_GOSSIP_TIMEOUT
-            evaluate(np.ones((4, 3)))
-        bps_gossip.barrier()
-        slow_by_turns(2)
-        trainer.average_parameters()
-    attempt(work)
-    report(net.weight.data().asnumpy().tolist())
-    bps.shutdown()
-    """, timeout=80)
+    done = job.run_job("uneven_steps_job", "evaluation_patterns", timeout=80)
     assert_all_ok(done, job)
     assert all(f.results[0][0] == "ok" for f in done), [f.results for f in done]
     assert done[0].results[1] == done[1].results[1]  # the exact average at the end
