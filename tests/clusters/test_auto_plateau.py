@@ -1,6 +1,7 @@
 """mode='auto' follows the loss given to ``step(batch_size, loss=...)``: the plateau rule (pure),
 the loss's forms, and the loss on real processes (the window's mean over steps and ranks; a plateau
-switches to allreduce where gossip is not twice as fast)."""
+switches to allreduce where gossip is not twice as fast; the workers run
+tests/jobs/auto_plateau_job.py)."""
 
 from __future__ import annotations
 
@@ -96,81 +97,13 @@ def test_the_loss_forms_step_takes():
         step_loss(mx.nd.array([]))
 
 
-TRAIN = """
-import dataclasses, hashlib, mxnet as mx, numpy as np, mxnet_plugin as bps
-from mxnet.gluon.model_zoo import vision
-from mxnet_plugin.modes.auto_policy import AutoPolicy, Decision
-bps.init()
-rank = bps.rank()
-mx.random.seed(rank)
-net = vision.get_model(MODEL, classes=10)
-net.initialize(mx.init.Xavier())
-if HYBRIDIZE:
-    net.hybridize()
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
-                                 mode="auto")
-mode = trainer._mode
-seen, sent = [], []
-window_loss = mode._window_loss
-def watched_loss():
-    sent.append(window_loss())
-    return sent[-1]
-mode._window_loss = watched_loss
-
-class Forced(AutoPolicy):  # the real rule on fixed step times (gossip 0.55x allreduce's), or always gossip
-    drifted = True  # as if the last exact average had found the ranks apart (an exact average is not due here)
-    def _decide(self, window):
-        seen.append(window.loss)
-        window = dataclasses.replace(window, seconds_per_step=0.055 if window.mode == "gossip" else 0.1,
-                                     routing_changed=False, slow_lateness=0.0)
-        decision = super()._decide(window)
-        return decision if PLATEAU else Decision("gossip", "the test gossips")
-mode.policy = Forced(window=mode.window)
-
-def digest():
-    params = [p.data().asnumpy() for p in sorted(net.collect_params().values(), key=lambda p: p.name)
-              if p.grad_req != "null"]
-    return hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in params)).hexdigest()
-
-loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.RandomState(rank)
-losses, refused = [], None
-for step in range(STEPS):
-    x = mx.nd.array(rng.uniform(size=(2, 3, 32, 32)))
-    y = mx.nd.array(rng.randint(0, 10, size=2))
-    with mx.autograd.record():
-        loss = loss_fn(net(x), y)
-    loss.backward()
-    if PLATEAU:
-        # a loss that never falls (an NDArray on rank 0, a number on rank 1): a plateau after 5 windows' steps
-        trainer.step(2, loss=loss * 0 + 1.0 if rank == 0 else 1.0)
-    else:
-        if step == 9 and rank == 1:
-            mode.average_seconds = -1.0  # a lie: no window after this one can be decided on
-        if step == 0:
-            try:
-                trainer.step(2, loss="0.5")  # refused before anything happens: the step is taken again
-            except TypeError as error:
-                refused = str(error)
-        losses.append(float(loss.mean().asscalar()))
-        trainer.step(2, loss=loss if rank == 0 else losses[-1])  # an NDArray, or a number
-report({"history": list(trainer.mode_history), "seen": seen, "sent": sent, "losses": losses, "end": digest(),
-        "refused": refused})
-bps.shutdown()
-"""
-
-
-def job_script(model: str, steps: int, plateau: bool, hybridize: bool) -> str:
-    return (TRAIN.replace("MODEL", repr(model)).replace("STEPS", str(steps)).replace("PLATEAU", str(plateau))
-            .replace("HYBRIDIZE", str(hybridize)))
-
-
 @pytest.mark.timeout(240)
 def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster):
     """resnet18_v1 hybridized, 2 workers, windows of 3 steps, gossip throughout; from step 9 one rank
     sends a negative number (a lie): the windows then go undecided, gossip goes on, nothing stops."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
-    done = job.run_workers(job_script("resnet18_v1", 15, plateau=False, hybridize=True), timeout=220)
+    done = job.run_job("auto_plateau_job", "train", "resnet18_v1", "15", "False", "True",
+                       timeout=220)  # model, steps, plateau, hybridize
     assert_all_ok(done, job)
     results = [f.result for f in done]
     assert results[0]["seen"] == results[1]["seen"] and len(results[0]["seen"]) >= 2
@@ -194,7 +127,8 @@ def test_a_plateau_switches_to_allreduce_where_gossip_is_not_twice_as_fast(clust
     0.6x) until the loss has not fallen for 15 steps, then allreduce (not under 0.5x), which leaves
     the models equal."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
-    done = job.run_workers(job_script("mobilenet0.25", 33, plateau=True, hybridize=False), timeout=220)
+    done = job.run_job("auto_plateau_job", "train", "mobilenet0.25", "33", "True", "False",
+                       timeout=220)  # model, steps, plateau, hybridize
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories
