@@ -1,5 +1,6 @@
 """mode='auto' makes the models exactly equal while gossip runs, when they drift apart: the rule
-(pure), and the averages on real processes (bit-identical ranks, the learning-rate drop)."""
+(pure), and the averages on real processes (bit-identical ranks, the learning-rate drop; the
+workers run tests/jobs/auto_averaging_job.py)."""
 
 from __future__ import annotations
 
@@ -117,57 +118,6 @@ def test_a_bad_window_field_is_refused(field, value):
         AutoPolicy().decide(Window("gossip", 0.02, **{field: value}))
 
 
-TRAIN = """
-import hashlib, mxnet as mx, numpy as np, mxnet_plugin as bps
-from mxnet.gluon.model_zoo import vision
-from mxnet_plugin.modes.auto_policy import AutoPolicy, Decision
-bps.init()
-rank = bps.rank()
-mx.random.seed(rank)
-net = vision.get_model("resnet18_v1", classes=10)
-net.initialize(mx.init.Xavier())
-net.hybridize()
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
-                                 mode="auto", route_slow_links=False)  # no slow rank: decisions at once
-
-class GossipOnly(AutoPolicy):  # the real rule for exact averages; gossip whatever the step times
-    def __init__(self, window):
-        super().__init__(window=window)
-        self.cost["allreduce"] = 1e-6  # as if measured, and cheap: the first exact average's price
-
-    def _decide(self, window):
-        super()._decide(window)
-        return Decision("gossip", "the test gossips")
-
-mode = trainer._mode
-mode.policy = GossipOnly(window=mode.window)
-averaged = []
-def digest():
-    params = [p.data().asnumpy() for p in sorted(net.collect_params().values(), key=lambda p: p.name)
-              if p.grad_req != "null"]
-    return hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in params)).hexdigest()
-average_exactly = mode._average_exactly
-def watched(step):
-    average_exactly(step)
-    averaged.append([step, digest()])
-mode._average_exactly = watched
-
-loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.RandomState(rank)
-for step in range(14):
-    if step == 8:
-        trainer.set_learning_rate(0.001)  # every rank: a step decay
-    x = mx.nd.array(rng.uniform(size=(2, 3, 32, 32)))
-    y = mx.nd.array(rng.randint(0, 10, size=2))
-    with mx.autograd.record():
-        loss = loss_fn(net(x), y)
-    loss.backward()
-    trainer.step(2)
-report({"history": list(trainer.mode_history), "averaged": averaged, "end": digest()})
-bps.shutdown()
-"""
-
-
 @pytest.mark.timeout(300)
 def test_exact_averages_leave_every_rank_on_one_model_and_follow_the_learning_rate(cluster):
     """resnet18_v1 hybridized (BatchNorm's running statistics stay each rank's own), 3 workers,
@@ -175,7 +125,7 @@ def test_exact_averages_leave_every_rank_on_one_model_and_follow_the_learning_ra
     around): the first exact average at step 6 (on the second window), and one at step 9, on the
     window in which the learning rate fell."""
     job = cluster(3, env={"BPS_GOSSIP_AUTO_WINDOW": "3", "BYTEPS_LOG_LEVEL": "INFO"})
-    done = job.run_workers(TRAIN, timeout=280)
+    done = job.run_job("auto_averaging_job", "averages", timeout=280)
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1] == histories[2], histories  # one push_pull, one rule

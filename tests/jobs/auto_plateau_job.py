@@ -5,12 +5,11 @@ window losses the policy saw and this rank sent, its own losses and a digest of 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import mxnet as mx
 import numpy as np
+from auto_job_helpers import batch, digest, zoo_model
 from job_tools import report, run
-from mxnet.gluon.model_zoo import vision
 
 import mxnet_plugin as bps
 from mxnet_plugin.modes.auto_policy import AutoPolicy, Decision
@@ -32,13 +31,6 @@ class Forced(AutoPolicy):
                                      routing_changed=False, slow_lateness=0.0)
         decision = super()._decide(window)
         return decision if self.follow else Decision("gossip", "the test gossips")
-
-
-def digest(net):
-    """sha1 of the trained parameters' values, in name order."""
-    params = [p.data().asnumpy() for p in sorted(net.collect_params().values(), key=lambda p: p.name)
-              if p.grad_req != "null"]
-    return hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in params)).hexdigest()
 
 
 def watch(mode, plateau):
@@ -75,11 +67,7 @@ def train(model: str, steps: str, plateau: str, hybridize: str) -> None:
     plateau_run = plateau == "True"
     bps.init()
     rank = bps.rank()
-    mx.random.seed(rank)
-    net = vision.get_model(model, classes=10)
-    net.initialize(mx.init.Xavier())
-    if hybridize == "True":
-        net.hybridize()
+    net = zoo_model(model, rank, hybridize == "True")
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                                      mode="auto")
     mode = trainer._mode
@@ -88,8 +76,7 @@ def train(model: str, steps: str, plateau: str, hybridize: str) -> None:
     rng = np.random.RandomState(rank)
     losses, refused = [], None
     for step in range(int(steps)):
-        x = mx.nd.array(rng.uniform(size=(2, 3, 32, 32)))
-        y = mx.nd.array(rng.randint(0, 10, size=2))
+        x, y = batch(rng, 2)
         with mx.autograd.record():
             loss = loss_fn(net(x), y)
         loss.backward()
