@@ -1,5 +1,6 @@
 """DistributedTrainer(mode='auto'): the decision rule (pure), and the mode at work on real
-processes: every rank decides the same, and switching keeps the models consistent."""
+processes: every rank decides the same, and switching keeps the models consistent (the workers
+run tests/jobs/auto_mode_job.py)."""
 
 from __future__ import annotations
 
@@ -159,55 +160,11 @@ def test_auto_takes_no_compression():
                                compression_params={"compressor": "onebit"}, mode="auto")
 
 
-TRAIN = """
-import hashlib, mxnet as mx, numpy as np, mxnet_plugin as bps
-from mxnet.gluon.model_zoo import vision
-bps.init()
-rank = bps.rank()
-mx.random.seed(rank)
-net = vision.get_model("mobilenet0.25", classes=10)
-net.initialize(mx.init.Xavier())
-if %(hybridize)s:
-    net.hybridize()
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
-                                 mode="auto", route_slow_links=False)  # no slow rank: decisions at once
-assert trainer.mode == "auto" and trainer.active_mode == "gossip"
-%(policy)s
-loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-rng = np.random.RandomState(rank)
-steps = []
-for step in range(%(steps)d):
-    x = mx.nd.array(rng.uniform(size=(4, 3, 32, 32)))
-    y = mx.nd.array(rng.randint(0, 10, size=4))
-    with mx.autograd.record():
-        loss = loss_fn(net(x), y)
-    loss.backward()
-    trainer.step(4)
-    trainer.flush()
-    params = [p.data().asnumpy() for p in sorted(net.collect_params().values(), key=lambda p: p.name)
-              if p.grad_req != "null"]  # BatchNorm's running statistics stay each rank's own in allreduce
-    digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() for a in params)).hexdigest()
-    steps.append([trainer.active_mode, digest, float(loss.mean().asscalar())])
-report({"history": trainer.mode_history, "steps": steps})
-bps.shutdown()
-"""
-
-ALTERNATE = """
-from mxnet_plugin.modes.auto_policy import Decision
-class Alternate:  # every window the other mode: each switch is exercised
-    def decide(self, window):
-        return Decision("gossip" if window.mode == "allreduce" else "allreduce", "the test alternates")
-    def reset(self):
-        pass
-trainer._mode.policy = Alternate()
-"""
-
-
 @pytest.mark.timeout(240)
 def test_every_rank_takes_the_same_decisions_from_the_measured_times(cluster):
     """mobilenet0.25 imperative (the other test hybridizes it)."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "6", "BYTEPS_LOG_LEVEL": "INFO"})
-    done = job.run_workers(TRAIN % {"policy": "", "steps": 16, "hybridize": False}, timeout=220)
+    done = job.run_job("auto_mode_job", "train", "measured", "16", "False", timeout=220)  # policy, steps, hybridize
     assert_all_ok(done, job)
     histories = [f.result["history"] for f in done]
     assert histories[0] == histories[1], histories  # the numbers in "why" came from one push_pull
@@ -225,7 +182,7 @@ def test_switching_keeps_every_rank_on_one_model_where_allreduce_runs(cluster):
     the optimizer's momentum exactly their average, so that every allreduce step leaves the ranks
     bit-identical (without the momentum's average they part at the first step)."""
     job = cluster(3, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
-    done = job.run_workers(TRAIN % {"policy": ALTERNATE, "steps": 21, "hybridize": True}, timeout=220)
+    done = job.run_job("auto_mode_job", "train", "alternate", "21", "True", timeout=220)  # policy, steps, hybridize
     assert_all_ok(done, job)
     runs = [f.result["steps"] for f in done]
     modes = [step[0] for step in runs[0]]
