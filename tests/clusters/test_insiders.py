@@ -1,6 +1,6 @@
 """Issue 22: what a process on the network (with or without the job secret) must not be able to
 do to a job: exhaust the scheduler's file descriptors, have a live process declared dead, or
-crash a role. Real processes on 127.0.0.1."""
+crash a role. Real processes on 127.0.0.1 (the workers run tests/jobs/insiders_job.py)."""
 
 from __future__ import annotations
 
@@ -23,18 +23,6 @@ from bps_gossip.protocol import Register, send
 from bps_gossip.transport import recv_message
 from bps_gossip.transport.security import make_socket, routing_id
 
-STEADY = '''
-import time, numpy as np, bps_gossip as bps
-bps.init()
-print("READY", flush=True)
-total = 0.0
-for step in range(50):
-    total += float(bps.push_pull(np.ones(4, np.float32), "x", average=False).sum())
-    time.sleep(0.12)
-report({"rank": bps.rank(), "total": total})
-bps.shutdown()
-'''
-
 
 @pytest.mark.timeout(90)
 def test_idle_connections_exhaust_no_role_and_kill_nobody(cluster):
@@ -49,7 +37,7 @@ def test_idle_connections_exhaust_no_role_and_kill_nobody(cluster):
                               env, "scheduler0")
     job.scheduler.role = "scheduler"
     job.server_procs = [job.spawn_role("server")]
-    workers = job.start_workers(STEADY)
+    workers = job.start_job("insiders_job", "steady")
     deadline = time.monotonic() + 30
     while sum("READY" in open(p.out_file.name).read() for p in workers) < 2:
         assert time.monotonic() < deadline, job.dump()
@@ -126,7 +114,7 @@ def test_a_rejoin_with_an_infinite_generation_is_a_protocol_error():
 def test_every_role_warns_when_the_job_has_no_secret(cluster):
     """Issue 22, item 6: a scheduler started by hand without a secret said nothing."""
     job = cluster(1, env={"BPS_GOSSIP_SECRET": None, "BYTEPS_FORCE_DISTRIBUTED": "1"})
-    done = job.run_workers("import bps_gossip as bps\nbps.init()\nreport(bps.rank())\nbps.shutdown()\n")
+    done = job.run_job("insiders_job", "rank")
     assert_all_ok(done, job)
     job.wait_servers_exit()
     assert "no job secret" in done[0].stderr
@@ -142,7 +130,7 @@ def test_a_claimed_pid_gets_nobody_killed(cluster):
     that is a member already."""
     job = cluster(2, env={**ELASTIC_ENV, "BPS_GOSSIP_STALL_TIMEOUT": "0"})
     victim = job.spawn(["sleep", "60"], job.env, "victim")
-    workers = job.start_workers(STEADY)
+    workers = job.start_job("insiders_job", "steady")
     deadline = time.monotonic() + 30
     while sum("READY" in open(p.out_file.name).read() for p in workers) < 2:
         assert time.monotonic() < deadline, job.dump()
@@ -170,59 +158,19 @@ def test_a_claimed_pid_gets_nobody_killed(cluster):
     victim.wait()
 
 
-BARRIER_FLOOD = '''
-import os, tempfile, time, bps_gossip as bps
-GO = os.path.join(tempfile.gettempdir(), "bpsg_test_go_" + os.environ["DMLC_PS_ROOT_PORT"])
-from bps_gossip import testing
-from bps_gossip.futures import Future
-from bps_gossip.worker import commands as cmd
-bps.init()
-if bps.rank() == 0:  # a member that asks for 200 barriers at once, each a new seq
-    engine = testing.engine()
-    futures = [Future() for _ in range(200)]
-    for future in futures:
-        engine.submit(cmd.Barrier(future))
-    deadline = time.monotonic() + 5  # the refusals come at once (before the bound: never)
-    while sum(f.done() for f in futures) < 184 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    errors = [str(f.exception()) for f in futures if f.done() and f.exception() is not None]
-    pending = sum(1 for f in futures if not f.done())
-    open(GO, "w").close()  # rank 1 may come to its barriers now
-    deadline = time.monotonic() + 15
-    while not all(f.done() for f in futures) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    report({"failed_at_once": len(errors), "pending": pending, "why": errors[:1],
-            "done_later": sum(1 for f in futures if f.done() and f.exception() is None)})
-else:
-    while not os.path.exists(GO):  # no barrier of rank 1 before rank 0 has counted
-        time.sleep(0.05)
-    for _ in range(16):
-        bps.barrier()
-    report({"done": 16})
-bps.shutdown()
-'''
-
-
 @pytest.mark.timeout(60)
 def test_a_member_cannot_open_barriers_without_end(cluster):
     """Issue 22, item 4: 300k barrier messages of one member grew the scheduler by 107 MiB: every
     new seq was kept until all workers came. A member now waits in at most 16 at once."""
     job = cluster(2)
     try:
-        done = job.run_workers(BARRIER_FLOOD, timeout=40)
+        done = job.run_job("insiders_job", "barrier_flood", timeout=40)
     finally:
         Path(tempfile.gettempdir(), f"bpsg_test_go_{job.port}").unlink(missing_ok=True)
     assert_all_ok(done, job)
     flood = next(f.result for f in done if f.rank_hint == 0)
     assert flood["failed_at_once"] == 184 and flood["pending"] == 16 and flood["done_later"] == 16, flood
     assert "waits in 16 barriers already" in flood["why"][0]
-
-
-# It says its routing id once a push_pull came back: its server connection is up by then.
-STEADY_WITH_UID = STEADY.replace('print("READY", flush=True)', """from bps_gossip import testing
-engine = testing.engine()
-bps.push_pull(np.ones(1, np.float32), "warm-up")
-print("UID", engine.uid.hex(), engine.book.servers[0], engine.book.workers[1].addr, flush=True)""")
 
 
 @pytest.mark.timeout(90)
@@ -236,7 +184,7 @@ def test_a_member_id_cannot_be_taken_over(cluster):
     import msgpack
 
     job = cluster(2)
-    workers = job.start_workers(STEADY_WITH_UID)
+    workers = job.start_job("insiders_job", "steady_with_uid")
     deadline = time.monotonic() + 30
     while "UID" not in open(workers[0].out_file.name).read():
         assert time.monotonic() < deadline, job.dump()
@@ -271,7 +219,7 @@ def test_joiners_waiting_are_bounded(cluster):
     from bps_gossip.scheduler.membership import MAX_JOINING
 
     job = cluster(1, env={**ELASTIC_ENV, "BPS_GOSSIP_HEARTBEAT_TIMEOUT": "20"})
-    workers = job.start_workers(STEADY)
+    workers = job.start_job("insiders_job", "steady")
     deadline = time.monotonic() + 30
     while "READY" not in open(workers[0].out_file.name).read():
         assert time.monotonic() < deadline, job.dump()
@@ -318,18 +266,6 @@ def test_failed_handshakes_are_logged_and_rate_limited(cluster):
     assert re.search(r"from (\S+, )*127\.0\.0\.3[ ,]", lines[0]), lines  # the guesser's own address
 
 
-FALSE_STALL_REPORT = STEADY.replace('print("READY", flush=True)', '''from bps_gossip import testing
-if bps.rank() == 2:  # a member that says rank 0 is stuck, sent by its engine's own stall check
-    engine = testing.engine()
-    said = []
-    def overdue(now, stall):
-        if said:
-            return []
-        said.append(now)
-        return [([0], "pushed nothing of 'x' for 60.0 s (a false report)")]
-    engine.peers.channel.overdue = overdue''')
-
-
 @pytest.mark.timeout(90)
 def test_one_members_stall_report_removes_no_working_rank(cluster):
     """Issue 22, item 2: one 'stalled' report from a member had a healthy rank removed from an
@@ -337,7 +273,7 @@ def test_one_members_stall_report_removes_no_working_rank(cluster):
     started for BPS_GOSSIP_STALL_TIMEOUT); rank 0 keeps pushing, so it stays (a server's report,
     and a rank that is really stuck, are in test_elastic_trials)."""
     job = cluster(3, env={**ELASTIC_ENV, "BPS_GOSSIP_STALL_TIMEOUT": "1", "BPS_GOSSIP_HEARTBEAT_INTERVAL": "0.2"})
-    done = job.run_workers(FALSE_STALL_REPORT, timeout=60)
+    done = job.run_job("insiders_job", "false_stall_report", timeout=60)
     assert_all_ok(done, job)
     assert {f.result["total"] for f in done} == {600.0}
     assert "reported as stuck by worker rank 2" in job.dump() and "lost" not in job.dump(), job.dump()
