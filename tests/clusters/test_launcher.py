@@ -29,6 +29,8 @@ from bps_gossip.launch import cli, supervisor
 from bps_gossip.launch.local import LOWEST_PORT, ephemeral_ports
 from bps_gossip.launch.supervisor import kill_groups
 
+pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
+
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 
 SUM_SCRIPT = """

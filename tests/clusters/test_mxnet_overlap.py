@@ -15,6 +15,8 @@ import pytest
 from cluster import assert_all_ok
 from test_mxnet_training import assert_same_training
 
+pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
+
 
 @pytest.mark.timeout(150)
 def test_overlap_trains_to_the_same_weights(cluster):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 from cluster import assert_all_ok
 
+pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
+
 SMALL_PARTS = {"BYTEPS_PARTITION_BYTES": "4096"}
 
 
