@@ -125,6 +125,8 @@ class _Rounds:
             raise error
 
 
+# One per process on purpose: MXNet's engine, whose queued operations it tracks, is the process's,
+# and a kept error must outlive bps.shutdown() (raised after it, or by the exit hook).
 _rounds = _Rounds()
 
 

@@ -96,6 +96,12 @@ class DistributedTrainer(mx.gluon.Trainer):
         return self._mode.name
 
     @property
+    def mode_object(self) -> TrainerMode:
+        """The mode object that runs the steps (:mod:`mxnet_plugin.modes`): for tests and tools that
+        look at its state (a gossip mode's averager, auto's policy); training needs none of it."""
+        return self._mode
+
+    @property
     def active_mode(self) -> str:
         """The mode running now: 'gossip' or 'allreduce' (with mode='auto', the one chosen last)."""
         return self._mode.running().name

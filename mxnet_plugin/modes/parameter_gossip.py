@@ -38,6 +38,9 @@ from ..overlap import wait_all
 from .options import GossipOptions
 
 log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
+# Every gossip of this process that may hold rounds in flight, for shutdown() to flush: module
+# state on purpose, since what it tracks lives as long as the process (trainers outlive a job's
+# init/shutdown and elastic resets), and a weak set lets a dropped trainer go.
 _live: weakref.WeakSet[ParameterGossip] = weakref.WeakSet()
 
 Layout = Dict[str, List[Tuple[mx.gluon.Parameter, int, int]]]  # dtype -> (parameter, offset, size) in its flat buffer

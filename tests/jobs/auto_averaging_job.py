@@ -33,7 +33,7 @@ def averages() -> None:
     net = zoo_model("resnet18_v1", rank, True)
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                                      mode="auto", route_slow_links=False)  # no slow rank: decisions at once
-    mode = trainer._mode
+    mode = trainer.mode_object
     mode.policy = GossipOnly(window=mode.window)
     averaged = []
     average_exactly = mode._average_exactly

@@ -32,7 +32,7 @@ def train(policy: str, steps: str, hybridize: str) -> None:
                                      mode="auto", route_slow_links=False)  # no slow rank: decisions at once
     assert trainer.mode == "auto" and trainer.active_mode == "gossip"
     if policy == "alternate":
-        trainer._mode.policy = Alternate()
+        trainer.mode_object.policy = Alternate()
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(rank)
     ran = []

@@ -70,7 +70,7 @@ def train(model: str, steps: str, plateau: str, hybridize: str) -> None:
     net = zoo_model(model, rank, hybridize == "True")
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                                      mode="auto")
-    mode = trainer._mode
+    mode = trainer.mode_object
     seen, sent = watch(mode, plateau_run)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(rank)

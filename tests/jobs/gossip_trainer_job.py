@@ -90,7 +90,7 @@ def large_in_place() -> None:
     for _ in range(4):
         weight, bias = two.train_step(trainer)
         digests.append([weight.tobytes().hex()[:64], float(weight.min()), float(weight.max()), float(bias[0])])
-    assert trainer._mode.gossip.direct and [k for k, _ in trainer._mode.gossip.large] == ["1"]
+    assert trainer.mode_object.gossip.direct and [k for k, _ in trainer.mode_object.gossip.large] == ["1"]
     report(digests)
     bps.shutdown()
 
@@ -103,7 +103,7 @@ def overlapped_in_place() -> None:
     for _ in range(6):
         weight, bias = two.train_step(trainer)
         seen.append([float(weight.min()), float(weight.max()), float(bias[0])])
-    gossip = trainer._mode.gossip
+    gossip = trainer.mode_object.gossip
     assert gossip.direct and gossip.averager.holds_z and [k for k, _ in gossip.large] == ["1"]
     assert gossip.averager.x["1"].base is not None  # a view of the parameter, not a copy
     report(seen)
@@ -211,12 +211,12 @@ def straggler(model: str) -> None:
         return loss
 
     loss = train(steps)
-    gossip = trainer._mode.gossip
+    gossip = trainer.mode_object.gossip
     history = [[rnd, sorted(slow.items())] for rnd, slow in gossip.averager.routing.history]
     owned = gossip.direct and gossip.averager.owns_x
     trainer.flush()
     trainer.average_parameters()
-    trainer._mode.restart()  # as mode='auto' does at a switch: the next averager knows rank slow_rank is slow
+    trainer.mode_object.restart()  # as mode='auto' does at a switch: the next averager knows rank slow_rank is slow
     loss = train(5)
     assert list(gossip.averager.routing.history)[:1] == [(0, dict(history[-1][1]))], history
     trainer.average_parameters()

@@ -102,7 +102,7 @@ def gossip_by_host(hybridize: str) -> None:
         loss.backward()
         trainer.step(4)
     trained = params_digest(net)
-    averager = type(trainer._mode.gossip.averager).__name__
+    averager = type(trainer.mode_object.gossip.averager).__name__
     finite = all(np.isfinite(p.data().asnumpy()).all() for p in net.collect_params().values())
     distance = trainer.consensus_distance()
     trainer.average_parameters()

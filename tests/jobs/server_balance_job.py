@@ -73,7 +73,7 @@ def check_allreduce(out: dict[str, Any], rank: int) -> None:
     net = build("ar_")
     trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, mode="allreduce")
     train(net, trainer, rank)
-    mode = trainer._mode
+    mode = trainer.mode_object
     planned = [(b.name, b.params) for b in mode.buckets] + [(f"gradient_{p.name}", [p]) for _, p in mode.alone]
     want = expected(sizes(planned))
     out["allreduce_mismatch"], out["allreduce_differs_from_hash"] = compare(want)
