@@ -197,6 +197,11 @@ def read_output(handle: Any) -> str:
         offset += len(chunk)
 
 
+def results_by_rank(finished: list[Finished]) -> list[Any]:
+    """Every worker's reported result (a dict with "rank"), in rank order."""
+    return sorted((f.result for f in finished), key=lambda r: r["rank"])
+
+
 def assert_all_ok(finished: list[Finished], cluster: Cluster) -> None:
     """Fail with every process's output unless all exited 0."""
     bad = [f for f in finished if f.returncode != 0]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "fuzz_job.py"
 
@@ -25,7 +25,7 @@ def test_malformed_messages_crash_nothing(cluster):
         procs.append(proc)
     done = job.wait(procs, timeout=100)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert sum(r["sent"] for r in results) > 2000
     for r in results:
         assert r["sum"] == [3.0] * 5

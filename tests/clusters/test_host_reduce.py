@@ -6,7 +6,7 @@ workers run tests/jobs/host_reduce_job.py, and push_pull_job.py for the collecti
 from __future__ import annotations
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 from test_push_pull import SMALL_PARTS
 
 AUTO = {"BPS_GOSSIP_HOST_REDUCE": "auto"}  # the default, whatever the test run's environment says
@@ -18,7 +18,7 @@ def run(cluster, env, per_rank_env, workers=4, servers=1):
     done = job.run_job("host_reduce_job", "places", timeout=80, per_rank_env=per_rank_env)
     assert_all_ok(done, job)
     job.wait_servers_exit()
-    return sorted((f.result for f in done), key=lambda r: r["rank"])
+    return results_by_rank(done)
 
 
 @pytest.mark.timeout(100)

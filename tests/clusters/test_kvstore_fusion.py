@@ -10,7 +10,7 @@ The workers run tests/jobs/kvstore_fusion_job.py.
 from __future__ import annotations
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 
 from mxnet_plugin.kvstore_fusion import StepFusion
 
@@ -21,7 +21,7 @@ def test_trainer_and_module_fuse_and_match_separate_pushpulls(cluster, hybrid):
     job = cluster(2, env={"BPS_GOSSIP_HOST_REDUCE": "off"})  # the servers count the rounds (on one host they take none)
     done = job.run_job("kvstore_fusion_job", "fuse_and_match", str(hybrid), timeout=140)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert all(not r["failures"] for r in results), [(r["rank"], r["failures"]) for r in results]
     for r in results:
         assert r["fused"] == r["separate"], "fusion changed the trained weights"

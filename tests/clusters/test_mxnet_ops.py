@@ -10,13 +10,13 @@ in step and the test reports all failures at once.
 from __future__ import annotations
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 
 pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
 
 
 def _check_ops(done: list, size: int) -> None:
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert [r["rank"] for r in results] == list(range(size))
     for r in results:
         assert r["size"] == size

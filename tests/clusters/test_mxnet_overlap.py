@@ -12,7 +12,7 @@ tests/jobs/mxnet_overlap_job.py.
 from __future__ import annotations
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 from test_mxnet_training import assert_same_training
 
 pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
@@ -23,7 +23,7 @@ def test_overlap_trains_to_the_same_weights(cluster):
     job = cluster(2)
     done = job.run_job("mxnet_overlap_job", "training", timeout=140)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert all(not r["failures"] for r in results), [(r["rank"], r["failures"]) for r in results]
     for kind in ("trainer", "kvstore"):
         for r in results:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 
 from bps_gossip.compat import zip_exact
 
@@ -29,7 +29,7 @@ def test_distributed_trainer_allreduce_matches_one_process(cluster, workers):
     job = cluster(workers)
     done = job.run_job("mxnet_training_job", "allreduce", timeout=140)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert [r["rank"] for r in results] == list(range(workers))
     assert all(not r["failures"] for r in results), [r["failures"] for r in results]
     assert len({r["initial_digest"] for r in results}) == 1, "deferred parameters were not broadcast"
@@ -42,7 +42,7 @@ def test_distributed_optimizer_module_api(cluster):
     job = cluster(2)
     done = job.run_job("mxnet_training_job", "module_api", timeout=110)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert all(not r["failures"] for r in results), [(r["rank"], r["failures"]) for r in results]
     assert results[0]["before_digest"] != results[1]["before_digest"]  # ranks really started apart
     assert len({r["initial_digest"] for r in results}) == 1
@@ -58,7 +58,7 @@ def test_gluon_trainer_with_bpsgossip_kvstore(cluster):
     job = cluster(2)
     done = job.run_job("mxnet_training_job", "kvstore", timeout=110)
     assert_all_ok(done, job)
-    results = sorted((f.result for f in done), key=lambda r: r["rank"])
+    results = results_by_rank(done)
     assert all(not r["failures"] for r in results), [(r["rank"], r["failures"]) for r in results]
     assert_same_training(results)
     for key in ("instance", "module"):

@@ -6,7 +6,7 @@ workers run tests/jobs/server_balance_job.py."""
 from __future__ import annotations
 
 import pytest
-from cluster import assert_all_ok
+from cluster import assert_all_ok, results_by_rank
 
 
 def on_three_servers(cluster, scenario: str, timeout: float) -> list[dict]:
@@ -16,7 +16,7 @@ def on_three_servers(cluster, scenario: str, timeout: float) -> list[dict]:
     done = job.run_job("server_balance_job", scenario, timeout=timeout)
     assert_all_ok(done, job)
     job.wait_servers_exit()
-    return sorted((f.result for f in done), key=lambda r: r["rank"])
+    return results_by_rank(done)
 
 
 @pytest.mark.timeout(120)
