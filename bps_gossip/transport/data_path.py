@@ -34,12 +34,17 @@ class Route:
     sock: zmq.Socket
     shared: bool  # the destination maps segments of this host: payloads in one go by name
 
+    def by_name(self, in_segment: Mapping[str, Any] | None) -> bool:
+        """Whether a payload that lies where ``in_segment`` says (None: in no segment) goes by name:
+        then the caller need not make its frames."""
+        return self.shared and in_segment is not None
+
     def send(self, header: dict[str, Any], frames: Sequence[Any], in_segment: Mapping[str, Any] | None = None,
              route: bytes | None = None) -> bool:
         """Send ``header`` and its payload: by name (``in_segment``: the header fields that say where
         it lies, for a payload already in this process's segment) where the destination reads shared
         memory, else as ``frames``. True if it went by name."""
-        if self.shared and in_segment is not None:
+        if self.by_name(in_segment):
             header.update(in_segment)
             send_message(self.sock, header, (), route)
             return True

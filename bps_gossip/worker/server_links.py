@@ -271,7 +271,8 @@ class ServerLinks(LinkFailures, CallerSends):
             header["hosted"] = True
         self._sent = True
         route = self.hosts.route if target == LEADER else self.routes[server]
-        route.send(header, (op.payload(offset, count),), op.in_segment(offset))
+        where = op.in_segment(offset)
+        route.send(header, () if route.by_name(where) else (op.payload(offset, count),), where)
 
     def stats(self, future: Future) -> None:
         """Ask every server for its counters; ``future`` completes with the list of replies."""
