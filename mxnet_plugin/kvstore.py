@@ -63,6 +63,11 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         self._fusion = StepFusion("kvstore_", self._push_pull_alone)
 
     @property
+    def fusion(self) -> StepFusion:
+        """How this store fuses a step's keys (its ``buckets`` and lone keys), for tests and tools."""
+        return self._fusion
+
+    @property
     def type(self) -> str:
         """'bpsgossip', the name ``mx.kv.create`` takes (as MXNet's own 'horovod' and 'byteps'
         stores return theirs).

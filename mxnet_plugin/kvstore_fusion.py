@@ -68,7 +68,7 @@ class StepFusion:
                 buckets, alone = plan_calls([arrays for _, arrays, _ in calls])
                 share_gradients([[owners[i] for i in indices] for indices in buckets + [[i] for i in alone]])
                 calls = [(key, owner.list_grad(), priority) for (key, _, priority), owner in zip(calls, owners)]
-            self._plan(calls, tuple((key, tuple(arrays)) for key, arrays, _ in calls))
+            self.plan(calls)
         for indices, name, layout in self.buckets:
             if len(indices) == 1:
                 key, arrays, priority = calls[indices[0]]
@@ -89,7 +89,11 @@ class StepFusion:
                 return False
         return True
 
-    def _plan(self, calls: list[Call], planned_calls: tuple) -> None:
+    def plan(self, calls: list[Call]) -> None:
+        """Cut ``calls`` into fused buckets and lone keys (``buckets``, ``alone``), remember them
+        as the planned calls and place the tensors on servers; the next ``pushpull`` of the same
+        calls follows this plan."""
+        planned_calls = tuple((key, tuple(arrays)) for key, arrays, _ in calls)
         groups, self.alone = plan_calls([arrays for _, arrays, _ in calls])
         self.buckets = []
         for indices in groups:

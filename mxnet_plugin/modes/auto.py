@@ -167,7 +167,7 @@ class AutoMode(TrainerMode):
             self.loss_number += loss
         self.loss_steps += 1
 
-    def _window_loss(self) -> tuple[float, float]:
+    def window_loss(self) -> tuple[float, float]:
         """The window's mean loss and 1, or (0, 0) when no step gave a finite one."""
         total = self.loss_number + (float(self.loss_array.asscalar()) if self.loss_array is not None else 0.0)
         mean = total / self.loss_steps if self.loss_steps else math.nan
@@ -217,7 +217,7 @@ class AutoMode(TrainerMode):
         slow = self._slow_links()
         measured = np.array([(now - self.window_start) / max(1, self.window_steps - 1),
                              float(set(slow) != self.slow_at_start), max(slow.values(), default=0.0),
-                             self.average_seconds, float(self.trainer.learning_rate), *self._window_loss(),
+                             self.average_seconds, float(self.trainer.learning_rate), *self.window_loss(),
                              self._allreduce_estimate()], np.float64)
         if self.active.name != "gossip" or not slow:
             if self.pending is not None:  # a window decided on late: the newer numbers decide instead
@@ -266,7 +266,7 @@ class AutoMode(TrainerMode):
             log.debug("mode='auto' at step %d: %s (%s)", step, decision.mode, decision.why)
             windows = decision.windows
             if decision.average:
-                self._average_exactly(step)
+                self.average_exactly(step)
                 windows = self.policy.until_average(windows)
             self._begin_window(step, decision.probe, windows)
             return
@@ -280,7 +280,7 @@ class AutoMode(TrainerMode):
         self.modes["gossip"].restart()  # push-sum starts again from the equal models
         self._use(decision.mode, decision.why, step, decision.probe)
 
-    def _average_exactly(self, step: int) -> None:
+    def average_exactly(self, step: int) -> None:
         """An exact average the policy asked for, in gossip: measure the drift it removed and how
         far the average moved since the last one, and tell the policy (collective)."""
         gossip = self.modes["gossip"].gossip

@@ -121,7 +121,7 @@ class AutoPolicy:
 
     def decide(self, window: Window) -> Decision:
         """The mode of the next window, given the one that just ended."""
-        decision = self._decide(window)
+        decision = self.choose_mode(window)
         if decision.mode != window.mode:
             self.since_average = 0  # a switch makes the models equal
             self.average_lr = window.learning_rate or self.average_lr
@@ -188,7 +188,9 @@ class AutoPolicy:
         if not 1 <= window.windows <= MAX_WINDOWS:
             raise ValueError(f"windows={window.windows!r} must be in [1, {MAX_WINDOWS}]")
 
-    def _decide(self, window: Window) -> Decision:
+    def choose_mode(self, window: Window) -> Decision:
+        """The mode rule alone, before ``decide`` adds the exact averages' schedule (a subclass
+        may replace it: a test's policy on fixed step times does)."""
         self._check(window)
         self.cost[window.mode] = window.seconds_per_step
         self._follow_loss(window)

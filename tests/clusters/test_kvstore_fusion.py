@@ -43,7 +43,7 @@ def test_plan_cuts_by_size_dtype_and_devices():
     big = mx.nd.zeros((1 << 17,))  # 512 KiB: alone
     calls = [(0, [small[0]], 0), (1, [small[1]], -1), (2, [small[2]], -2), (3, [big], -3), (4, [small[3]], -4),
              (5, [mx.nd.zeros((8,)), mx.nd.zeros((8,))], -5)]
-    fusion._plan(calls, ())
+    fusion.plan(calls)
     assert [(indices, name) for indices, name, _ in fusion.buckets] == [
         ([0, 1], "kv_fused_0_2"), ([2], "kv_fused_2_1"), ([4], "kv_fused_4_1"), ([5], "kv_fused_5_1")]
     assert fusion.alone == [3]

@@ -21,8 +21,8 @@ class GossipOnly(AutoPolicy):
         super().__init__(window=window)
         self.cost["allreduce"] = 1e-6  # as if measured, and cheap: the first exact average's price
 
-    def _decide(self, window):
-        super()._decide(window)
+    def choose_mode(self, window):
+        super().choose_mode(window)
         return Decision("gossip", "the test gossips")
 
 
@@ -36,12 +36,12 @@ def averages() -> None:
     mode = trainer.mode_object
     mode.policy = GossipOnly(window=mode.window)
     averaged = []
-    average_exactly = mode._average_exactly
+    average_exactly = mode.average_exactly
 
     def watched(step):
         average_exactly(step)
         averaged.append([step, digest(net)])
-    mode._average_exactly = watched
+    mode.average_exactly = watched
 
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(rank)

@@ -25,23 +25,23 @@ class Forced(AutoPolicy):
         super().__init__(**kwargs)
         self.seen, self.follow = seen, plateau
 
-    def _decide(self, window):
+    def choose_mode(self, window):
         self.seen.append(window.loss)
         window = dataclasses.replace(window, seconds_per_step=0.055 if window.mode == "gossip" else 0.1,
                                      routing_changed=False, slow_lateness=0.0)
-        decision = super()._decide(window)
+        decision = super().choose_mode(window)
         return decision if self.follow else Decision("gossip", "the test gossips")
 
 
 def watch(mode, plateau):
     """Put Forced in the auto mode ``mode`` and record the window losses sent: (seen, sent)."""
     seen, sent = [], []
-    window_loss = mode._window_loss
+    window_loss = mode.window_loss
 
     def watched_loss():
         sent.append(window_loss())
         return sent[-1]
-    mode._window_loss = watched_loss
+    mode.window_loss = watched_loss
     mode.policy = Forced(seen, plateau, window=mode.window)
     return seen, sent
 

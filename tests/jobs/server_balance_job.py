@@ -91,7 +91,7 @@ def check_kvstore(out: dict[str, Any], rank: int) -> None:
     net2 = build("kv_")
     trainer2 = gluon.Trainer(net2.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="bpsgossip")
     train(net2, trainer2, rank)
-    fusion = trainer2._kvstore._fusion
+    fusion = trainer2._kvstore.fusion
     entries = []
     params2 = trainer2._params  # gluon.Trainer's keys index these (sorted by name)
     keys = [key for key, _ in fusion.planned_calls]  # call index -> gluon.Trainer's key (its parameter's index)
