@@ -9,11 +9,13 @@ runs, never on the message:
   that segment and where in it (``shm``, ``offset``/``offsets``); only the header crosses the socket.
 
 A :class:`Route` is that choice for one destination: the worker's server links hold one per
-server and a local one to its host leader, and send every payload through it. Gossip makes the
-same choice per peer (``PeerChannel.is_local``: same host and shared memory on), the gossip core
-staging what goes to a local peer. The receiving side maps a named region only if it belongs to
-the process that sent the message (:meth:`~bps_gossip.transport.shm.AttachedSegments.owned_view`):
-the server's rounds, the host leader's rounds and the peer channel read payloads that way.
+server and a local one to its host leader, the peer channel one per peer (made at its first
+message; the gossip core asks ``is_local`` before it stages a share in a segment), and each sends
+every payload through it. A server answers on the path the push came: a sum already written back
+into the pusher's region goes as a bare header, any other as frames. The receiving side maps a
+named region only if it belongs to the process that sent the message
+(:meth:`~bps_gossip.transport.shm.AttachedSegments.owned_view`): the server's rounds, the host
+leader's rounds and the peer channel read payloads that way.
 """
 
 from __future__ import annotations

@@ -66,8 +66,7 @@ class PeerEndpoint:
         for addr in [a for a in kept if a not in addresses]:  # peers no longer in the job
             kept.pop(addr).close()
         self.channel = PeerChannel(self.ctx, self.uid, book.rank, book.workers, self.config, self.log,
-                                   book.generation, kept, self.entered)
-        self.channel.pool = self.segments
+                                   book.generation, kept, self.entered, self.segments)
         self.generation = book.generation
         early, self._early = self._early, []
         for route, msg, frames in early:

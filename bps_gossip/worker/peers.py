@@ -34,7 +34,8 @@ from ..config import Config
 from ..errors import CommTimeoutError, PeerLostError, ProtocolError
 from ..futures import Future, complete, fail
 from ..host_groups import same_host
-from ..protocol import BookEntry, Gossip, GossipAck, GossipWaiting, send
+from ..protocol import BookEntry, Gossip, GossipAck, GossipWaiting
+from ..transport.data_path import Route
 from ..transport.shm import AttachedSegments, OwnedSegment, SegmentPool
 from ..transport.sockets import SocketRole, open_socket
 from .wait_notices import WaitNotices
@@ -69,7 +70,7 @@ class PeerChannel:
     def __init__(self, ctx: zmq.Context, uid: bytes, rank: int, workers: list[BookEntry],
                  config: Config, log: Any, generation: int = 0,
                  connections: dict[str, zmq.Socket] | None = None,
-                 entered: Callable[[str], int] | None = None) -> None:
+                 entered: Callable[[str], int] | None = None, pool: SegmentPool | None = None) -> None:
         self.ctx = ctx
         self.uid = uid
         self.config = config
@@ -81,7 +82,7 @@ class PeerChannel:
         self.timeout = timeout
         self.log = log
         self.generation = generation  # stamped on every message: a new generation ignores old rounds
-        self.dealers: dict[int, zmq.Socket] = {}
+        self.routes: dict[int, Route] = {}  # by peer rank: its DEALER, and whether it reads our segments
         # The previous generation's DEALERs by peer address, used again for the same peers: a new
         # connection would present this worker's routing id while the peer may still hold the old
         # one, and a ROUTER drops a connection whose id is in use (no handover), with what it carried.
@@ -90,7 +91,7 @@ class PeerChannel:
         self.waits: list[PeerWait] = []
         self.lost: dict[int, str] = {}
         self.left: dict[int, tuple[str, float]] = {}
-        self.pool: SegmentPool | None = None  # set by the engine where shared memory works
+        self.pool = pool  # this worker's segments; None where shared memory does not work
         self.in_flight: dict[str, tuple[int, str, OwnedSegment]] = {}  # segment name -> (dst, pool key, segment)
         self.attached = AttachedSegments(MAX_ATTACHED)
         self.read: dict[tuple[str, int], int] = {}  # (tag, source) -> the last round read from it
@@ -111,21 +112,25 @@ class PeerChannel:
         (pool key, segment, byte offsets), only the header of arrays already in the segment."""
         if not 0 <= dst < len(self.workers) or dst == self.rank:
             raise ValueError(f"gossip: rank {dst} is not a peer of rank {self.rank} (size {len(self.workers)})")
-        shm, offsets = None, None
+        route = self._route(dst)
+        in_segment = None
         if staged is not None:
             key, segment, offsets = staged
-            shm = segment.name
-            self.in_flight[shm] = (dst, key, segment)
+            if not route.shared:
+                raise ValueError(f"gossip: rank {dst} cannot read this host's shared memory; the arrays were staged")
+            in_segment = {"shm": segment.name, "offsets": offsets}
+            self.in_flight[segment.name] = (dst, key, segment)
         msg = Gossip(tag=header["tag"], round=header["round"], dtypes=[a.dtype.str for a in arrays],
                      counts=[int(a.size) for a in arrays], gen=self.generation, keys=header.get("keys"),
-                     weight=header.get("weight"), shm=shm, offsets=offsets, sent=time.time())
-        self._send(dst, msg, [np.ascontiguousarray(a) for a in arrays] if staged is None else [])
+                     weight=header.get("weight"), sent=time.time())
+        frames = [] if route.by_name(in_segment) else [np.ascontiguousarray(a) for a in arrays]
+        route.send(msg.encode(), frames, in_segment)
         self.sent[(msg.tag, dst)] = msg.round
 
     def ack(self, dst: int, segment: str) -> None:
         """Tell worker ``dst`` that its segment ``segment`` was read and may be reused."""
         if 0 <= dst < len(self.workers) and dst != self.rank:
-            self._send(dst, GossipAck(shm=segment, gen=self.generation), [])
+            self._route(dst).send(GossipAck(shm=segment, gen=self.generation).encode(), ())
 
     def unread(self) -> int:
         """How many of our shared-memory messages peers that are still here have not read."""
@@ -149,18 +154,20 @@ class PeerChannel:
 
     def send_notice(self, dst: int, msg: GossipWaiting) -> None:
         """Tell worker ``dst`` where this rank waits (:mod:`.wait_notices`)."""
-        self._send(dst, msg, [])
+        self._route(dst).send(msg.encode(), ())
 
-    def _send(self, dst: int, msg: Gossip | GossipAck | GossipWaiting, frames: list[Any]) -> None:
-        sock = self.dealers.get(dst)
-        if sock is None:
+    def _route(self, dst: int) -> Route:
+        """The route to worker ``dst``, chosen at its first message: the DEALER (the previous
+        generation's to the same address, or a new one) and whether it maps our segments."""
+        route = self.routes.get(dst)
+        if route is None:
             addr = self.workers[dst].addr
             sock = self.spare.pop(addr, None)
             if sock is None:
                 sock = open_socket(self.ctx, SocketRole.TO_PEER, self.config, self.uid)
                 sock.connect(addr)
-            self.dealers[dst] = sock
-        send(sock, msg, frames)
+            route = self.routes[dst] = Route(sock, shared=self.is_local(dst))
+        return route
 
     # -- receiving ----------------------------------------------------------------
     def on_message(self, route: bytes, msg: Gossip, frames: list[zmq.Frame]) -> None:
@@ -328,16 +335,16 @@ class PeerChannel:
     def connections(self) -> dict[str, zmq.Socket]:
         """Hand over the DEALERs by peer address (for the next generation's channel): close()
         leaves them open."""
-        handed = {**self.spare, **{self.workers[dst].addr: sock for dst, sock in self.dealers.items()}}
-        self.dealers, self.spare = {}, {}
+        handed = {**self.spare, **{self.workers[dst].addr: route.sock for dst, route in self.routes.items()}}
+        self.routes, self.spare = {}, {}
         return handed
 
     def close(self) -> None:
         """Close the DEALERs (each lingers briefly so its last messages go out); unmap peers'
         segments; unlink ours that were never acknowledged (they are never reused)."""
-        for sock in [*self.dealers.values(), *self.spare.values()]:
+        for sock in [*(route.sock for route in self.routes.values()), *self.spare.values()]:
             sock.close()
-        self.dealers.clear()
+        self.routes.clear()
         self.spare.clear()
         self.attached.close()
         for _, key, segment in self.in_flight.values():

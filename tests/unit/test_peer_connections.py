@@ -40,14 +40,14 @@ def test_a_peer_that_stays_keeps_its_connection():
         header = {"tag": "g", "round": 0, "keys": ["w"], "weight": None}
         for dst in (1, 2):
             endpoint.channel.send(dst, header, [np.ones(3, np.float32)])
-        kept, left = endpoint.channel.dealers[1], endpoint.channel.dealers[2]
+        kept, left = endpoint.channel.routes[1].sock, endpoint.channel.routes[2].sock
         for sock in peers:
             assert sock.poll(5000)
             assert recv_message(sock, routed=True)[1]["gen"] == 1
         endpoint.new_generation(_book(2, addrs[:1]))  # the second peer left the job
         assert left.closed and not kept.closed
         endpoint.channel.send(1, {**header, "round": 1}, [np.ones(3, np.float32)])
-        assert endpoint.channel.dealers[1] is kept
+        assert endpoint.channel.routes[1].sock is kept
         assert peers[0].poll(5000)
         route, message, _ = recv_message(peers[0], routed=True)
         assert route == b"me" * 4 and message["gen"] == 2 and message["round"] == 1
