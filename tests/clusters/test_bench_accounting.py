@@ -134,14 +134,7 @@ def test_a_worker_names_its_communication_threads(cluster):
     """In a real worker, the engine thread carries ENGINE as its OS name (Python before 3.14 gives
     every thread the interpreter's name): top -H and the benchmarks tell it from compute."""
     job = cluster(2)
-    done = job.run_workers("""
-        import os
-        import bps_gossip
-        bps_gossip.init()
-        names = sorted(open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task"))
-        bps_gossip.shutdown()
-        report(names)
-    """)
+    done = job.run_job("worker_process_job", "thread_names")
     for worker in done:
         assert worker.returncode == 0, worker.stderr
         assert worker.result.count(ENGINE) == 1, worker.result

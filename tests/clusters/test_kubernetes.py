@@ -25,15 +25,6 @@ from bps_gossip.transport import addresses
 DOC = Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md"
 SERVICE_ADDRESS = "192.0.2.1"  # not an address of this host: binding it fails
 
-PUSH_PULL = """
-    import numpy as np, bps_gossip as bps
-    bps.init()
-    out = bps.push_pull(np.full(3, bps.rank() + 1.0), "x", average=False)
-    report({"rank": bps.rank(), "sum": out.tolist()})
-    bps.shutdown()
-"""
-
-
 @pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), (" ON ", True), ("0", False),
                                            ("false", False), ("", False), (None, False)])
 def test_use_kubernetes_values(raw, expected):
@@ -92,7 +83,7 @@ def test_job_with_a_service_address_that_is_not_the_schedulers(cluster):
     job.scheduler = job.spawn(_role_argv("scheduler"), sched_env, "scheduler")
     job.scheduler.role = "scheduler"
     job.server_procs = [job.spawn_role("server")]
-    done = job.run_workers(PUSH_PULL, timeout=60)
+    done = job.run_job("worker_process_job", "rank_sum", timeout=60)
     assert_all_ok(done, job)
     assert sorted(f.result["rank"] for f in done) == [0, 1]
     assert all(f.result["sum"] == [3.0, 3.0, 3.0] for f in done)
@@ -108,13 +99,13 @@ def test_scheduler_starting_last(cluster):
     connected, longer than BPS_GOSSIP_TIMEOUT again). The job completes."""
     job = cluster(2, start_servers=False, env={"BPS_GOSSIP_TIMEOUT": "2", "BPS_GOSSIP_START_TIMEOUT": "40"})
     job.server_procs = [job.spawn_role("server")]
-    first = job.start_workers(PUSH_PULL, count=1)
+    first = job.start_job("worker_process_job", "rank_sum", count=1)
     time.sleep(4)
     assert job.server_procs[0].poll() is None and first[0].poll() is None, job.dump()
     job.scheduler = job.spawn_role("scheduler")
     time.sleep(4)
     assert first[0].poll() is None, job.dump()
-    second = job.start_workers(PUSH_PULL, count=1, env={"DMLC_WORKER_ID": "1"})
+    second = job.start_job("worker_process_job", "rank_sum", count=1, env={"DMLC_WORKER_ID": "1"})
     done = job.wait([*first, *second], timeout=60)
     assert_all_ok(done, job)
     assert sorted(f.result["rank"] for f in done) == [0, 1]

@@ -13,18 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import free_port
+from cluster import JOBS, free_port
 
 from bps_gossip.launch.supervisor import Supervisor
 from bps_gossip.transport import shm
 
-# Makes a segment of the job named by DMLC_PS_ROOT_PORT, as a pushing worker does, says its
-# name, and dies without cleaning up.
-DOOMED_WORKER = ("import os, sys\n"
-                 "from bps_gossip.transport import shm\n"
-                 "segment = shm.OwnedSegment(os.environ['DMLC_PS_ROOT_PORT'], 4096)\n"
-                 "print(segment.name, flush=True)\n"
-                 "os.kill(os.getpid(), 9)\n")
+# A worker that makes a segment of the job named by DMLC_PS_ROOT_PORT, as a pushing worker does,
+# says its name, and dies without cleaning up.
+DOOMED_WORKER = [sys.executable, str(JOBS / "worker_process_job.py"), "doomed_segment"]
 
 
 def segments_of(job: str) -> list[str]:
@@ -37,7 +33,7 @@ def test_supervisor_sweeps_a_killed_workers_segments(tmp_path, capfd):
     env = {**os.environ, "DMLC_PS_ROOT_PORT": job}
     try:
         with Supervisor() as sup:
-            sup.start([sys.executable, "-c", DOOMED_WORKER], env, "worker", "worker 0", "[0] ")
+            sup.start(DOOMED_WORKER, env, "worker", "worker 0", "[0] ")
             assert sup.wait(fail_fast=True) == 128 + 9
         name = capfd.readouterr().out.split()[-1]
         assert name.startswith(f"{shm.PREFIX}_{job}_"), name
@@ -49,7 +45,7 @@ def test_supervisor_sweeps_a_killed_workers_segments(tmp_path, capfd):
 @pytest.mark.timeout(60)
 def test_remote_end_sweeps_a_killed_workers_segments(tmp_path):
     job = str(free_port())
-    spec = {"argv": [sys.executable, "-c", DOOMED_WORKER], "cwd": str(tmp_path),
+    spec = {"argv": DOOMED_WORKER, "cwd": str(tmp_path),
             "env": {"DMLC_PS_ROOT_PORT": job, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}}
     remote = None
     try:
