@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cluster import FAST_ENV, Cluster, free_port, read_output
+from cluster import FAST_ENV, JOBS, Cluster, free_port, read_output
 
 from bps_gossip.config import OWNED_SECRET_VAR
 from bps_gossip.launch import cli, supervisor
@@ -33,12 +33,13 @@ pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these to
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 
-SUM_SCRIPT = """
-import os, numpy as np, bps_gossip as bps
-bps.init()
-print("OUT", bps.rank(), bps.size(), bps.push_pull(np.ones(3), "x", average=False).tolist(), os.getpid())
-bps.shutdown()
-"""
+
+def job_command(scenario: str, *args: str, module: str = "launcher_job") -> list[str]:
+    """The command that runs ``scenario`` of tests/jobs/``module``.py (tests/jobs/job_tools.py)."""
+    return [sys.executable, str(JOBS / f"{module}.py"), scenario, *args]
+
+
+SUM_JOB = job_command("sum_of_ones")  # prints OUT rank size sum pid (parse_sums)
 
 
 def tagged_pids(tag: str) -> list[int]:
@@ -129,7 +130,7 @@ def job(tmp_path):
 
 
 def parse_sums(stdout: str) -> dict[int, tuple[int, int, list[float], int]]:
-    """{prefix rank: (rank, size, sum, pid)} from the OUT lines of SUM_SCRIPT."""
+    """{prefix rank: (rank, size, sum, pid)} from the OUT lines of SUM_JOB."""
     found = {}
     for match in re.finditer(r"^\[(\d+)\] OUT (\d+) (\d+) (\[.*\]) (\d+)$", stdout, re.M):
         found[int(match[1])] = (int(match[2]), int(match[3]), json.loads(match[4]), int(match[5]))
@@ -146,7 +147,7 @@ def assert_pids_gone(pids: list[int]) -> None:
 @pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
 def test_local_mode_end_to_end(job, workers, servers):
     args = ["-np", str(workers)] + (["--num-servers", str(servers)] if servers != 1 else [])
-    code, out, err = job.finish(job.start(args + [sys.executable, job.script(SUM_SCRIPT)]))
+    code, out, err = job.finish(job.start(args + SUM_JOB))
     assert code == 0, out + err
     found = parse_sums(out)
     assert sorted(found) == list(range(workers)), out + err
@@ -160,8 +161,7 @@ def test_local_mode_end_to_end(job, workers, servers):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("separator", [[], ["--"]])
 def test_single_worker_runs_alone_and_keeps_its_flags(job, separator):
-    body = SUM_SCRIPT + "import sys; print('ARGV', sys.argv[1:])\n"
-    code, out, err = job.finish(job.start(["-np", "1", *separator, sys.executable, job.script(body),
+    code, out, err = job.finish(job.start(["-np", "1", *separator, *job_command("sum_then_argv"),
                                            "--flag", "-np", "7", "--", "x"]))
     assert code == 0, out + err
     assert parse_sums(out)[0][:3] == (0, 1, [1.0, 1.0, 1.0])
@@ -172,19 +172,7 @@ def test_single_worker_runs_alone_and_keeps_its_flags(job, separator):
 
 @pytest.mark.timeout(30)
 def test_progress_bars_stay_whole_behind_their_prefix(job):
-    body = """
-import sys, time
-import bps_gossip as bps
-bps.init()
-for step in range(1, 4):
-    sys.stderr.write(f"\\rprogress {step}/3")  # as tqdm redraws its bar
-    sys.stderr.flush()
-    time.sleep(0.05)
-sys.stderr.write("\\r\\n")
-print("done")
-bps.shutdown()
-"""
-    code, out, err = job.finish(job.start(["-np", "2", sys.executable, job.script(body)]))
+    code, out, err = job.finish(job.start(["-np", "2", *job_command("progress_bars")]))
     assert code == 0, out + err
     lines = err.splitlines()  # the captured file reads '\r' as a line end too
     for rank in range(2):
@@ -197,8 +185,7 @@ bps.shutdown()
 @pytest.mark.timeout(30)
 def test_output_dir_and_timestamps(job, tmp_path):
     logs = tmp_path / "logs"
-    code, out, err = job.finish(job.start(["--output-dir", str(logs), "--timestamps", "-np", "2", sys.executable,
-                                           job.script(SUM_SCRIPT)]))
+    code, out, err = job.finish(job.start(["--output-dir", str(logs), "--timestamps", "-np", "2", *SUM_JOB]))
     assert code == 0, out + err
     assert sorted(p.name for p in logs.iterdir()) == ["scheduler.log", "server0.log", "worker0.log", "worker1.log"]
     for rank in range(2):
@@ -210,10 +197,9 @@ def test_output_dir_and_timestamps(job, tmp_path):
 @pytest.mark.timeout(30)
 def test_mode_flag_sets_the_trainer_default(job):
     # it registers: workers that never do fail the job (tests/clusters/test_launch_failures.py)
-    body = "import bps_gossip as bps\nbps.init()\nprint('MODE', bps.load_config().mode)\nbps.shutdown()\n"
-    code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", sys.executable, job.script(body)]))
+    code, out, err = job.finish(job.start(["--mode", "allreduce", "-np", "2", *job_command("print_mode")]))
     assert code == 0 and out.count("MODE allreduce") == 2, out + err
-    code, out, err = job.finish(job.start(["--mode", "fast", "-np", "2", sys.executable, job.script(body)]))
+    code, out, err = job.finish(job.start(["--mode", "fast", "-np", "2", *job_command("print_mode")]))
     assert code == 2 and "invalid choice: 'fast'" in err, out + err
 
 
@@ -229,17 +215,8 @@ def test_the_example_follows_the_mode_flag(job):
 
 @pytest.mark.timeout(30)
 def test_failing_worker_stops_the_job(job):
-    body = """
-    import os, sys, time, bps_gossip as bps
-    bps.init()
-    print("PID", os.getpid(), flush=True)
-    if bps.rank() == 1:
-        time.sleep(0.5)
-        sys.exit(3)
-    time.sleep(1000)
-    """
     start = time.monotonic()
-    code, out, err = job.finish(job.start(["-np", "2", sys.executable, job.script(body)]))
+    code, out, err = job.finish(job.start(["-np", "2", *job_command("rank_one_exits")]))
     assert code == 3, out + err
     assert time.monotonic() - start < 15
     assert "worker 1" in err and "code 3" in err
@@ -251,16 +228,7 @@ def test_failing_worker_stops_the_job(job):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_everything(job, sig):
     # Rank 0 ignores SIGINT and SIGTERM on the SIGTERM run: the launcher must escalate to SIGKILL.
-    body = f"""
-    import os, signal, time, bps_gossip as bps
-    bps.init()
-    if bps.rank() == 0 and {int(sig)} == signal.SIGTERM:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print("READY", os.getpid(), flush=True)
-    time.sleep(1000)
-    """
-    proc = job.start(["-np", "2", sys.executable, job.script(body)])
+    proc = job.start(["-np", "2", *job_command("ready_until_signal", str(int(sig == signal.SIGTERM)))])
     deadline = time.monotonic() + 20
     while job.output(proc)[0].count("READY") < 2:
         assert proc.poll() is None and time.monotonic() < deadline, job.output(proc)
@@ -279,8 +247,7 @@ def test_byteps_mode_end_to_end(job):
            "DMLC_PS_ROOT_PORT": str(port)}
     scheduler = job.start([], {**env, "DMLC_ROLE": "scheduler"})
     server = job.start([], {**env, "DMLC_ROLE": "server"})
-    worker = job.start([sys.executable, job.script(SUM_SCRIPT)],
-                       {**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "2"})
+    worker = job.start(SUM_JOB, {**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "2"})
     code, out, err = job.finish(worker)
     assert code == 0, out + err
     found = parse_sums(out)
@@ -326,14 +293,8 @@ def test_help_and_exit_codes(capsys):
 def test_sigkill_of_bpslaunch_leaves_no_process_and_no_secret(job):
     """Issue 22, item 7: SIGKILL gives bpslaunch no time to stop anyone; the kernel's
     parent-death signal does, and the scheduler removes the secret file bpslaunch made."""
-    body = """
-    import os, time, bps_gossip as bps
-    bps.init()
-    print("READY", os.getpid(), os.environ["BPS_GOSSIP_SECRET_FILE"], flush=True)
-    time.sleep(1000)
-    """
     job.env.pop("BPS_GOSSIP_SECRET", None)  # bpslaunch makes one, in a file
-    proc = job.start(["-np", "2", sys.executable, job.script(body)])
+    proc = job.start(["-np", "2", *job_command("ready_with_secret_file")])
     deadline = time.monotonic() + 30
     while job.output(proc)[0].count("READY") < 2:
         assert proc.poll() is None and time.monotonic() < deadline, job.output(proc)

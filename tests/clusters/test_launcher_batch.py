@@ -15,7 +15,7 @@ import time
 
 import pytest
 from cluster import free_port
-from test_launcher import LAUNCH, SUM_SCRIPT, Job
+from test_launcher import LAUNCH, SUM_JOB, Job, job_command
 
 _LAUNCHER_PREFIXES = ("SLURM", "OMPI_", "PMIX_", "PMI_", "MPI_LOCAL")
 
@@ -31,7 +31,7 @@ def job(tmp_path):
 
 
 def parse_sums(stdout: str, host: str) -> dict[int, tuple[int, int, list[float]]]:
-    """{prefix rank: (rank, size, sum)} from SUM_SCRIPT's lines behind ``[rank@host] ``."""
+    """{prefix rank: (rank, size, sum)} from SUM_JOB's lines behind ``[rank@host] ``."""
     pattern = rf"^\[(\d+)@{re.escape(host)}\] OUT (\d+) (\d+) \[(.*)\] \d+$"
     return {int(m[1]): (int(m[2]), int(m[3]), [float(v) for v in m[4].split(",")])
             for m in re.finditer(pattern, stdout, re.M)}
@@ -51,8 +51,8 @@ def openmpi_task(rank: int, size: int, port: int) -> dict[str, str]:
             "DMLC_PS_ROOT_PORT": str(port)}
 
 
-def run_tasks(job: Job, envs: list[dict[str, str]], script: str) -> list[tuple[int, str, str]]:
-    procs = [job.start([sys.executable, script], env) for env in envs]
+def run_tasks(job: Job, envs: list[dict[str, str]], command: list[str]) -> list[tuple[int, str, str]]:
+    procs = [job.start(command, env) for env in envs]
     return [job.finish(proc) for proc in procs]
 
 
@@ -61,8 +61,7 @@ def run_tasks(job: Job, envs: list[dict[str, str]], script: str) -> list[tuple[i
 def test_tasks_make_one_job(job, kind):
     port = free_port()
     make = slurm_task if kind == "slurm" else openmpi_task
-    script = job.script(SUM_SCRIPT)
-    results = run_tasks(job, [make(task, 3, port) for task in range(3)], script)
+    results = run_tasks(job, [make(task, 3, port) for task in range(3)], SUM_JOB)
     host = "localhost" if kind == "slurm" else os.uname().nodename
     for task, (code, out, err) in enumerate(results):
         assert code == 0, out + err
@@ -76,14 +75,8 @@ def test_tasks_make_one_job(job, kind):
 @pytest.mark.timeout(60)
 def test_task_zero_serves_until_every_worker_is_done(job):
     port = free_port()
-    script = job.script(SUM_SCRIPT.replace("bps.shutdown()", """
-import time
-if bps.rank() != 0:
-    time.sleep(2)  # rank 0's worker is done long before these
-print("DONE", flush=True)
-bps.shutdown()
-"""))
-    procs = [job.start([sys.executable, script], slurm_task(task, 3, port)) for task in range(3)]
+    command = job_command("rank_zero_done_first")  # the others 2 s later
+    procs = [job.start(command, slurm_task(task, 3, port)) for task in range(3)]
     deadline = time.monotonic() + 30
     while "[0@localhost] DONE" not in job.output(procs[0])[0]:
         assert time.monotonic() < deadline and procs[0].poll() is None, job.output(procs[0])
@@ -99,17 +92,8 @@ bps.shutdown()
 
 @pytest.mark.timeout(60)
 def test_a_failed_worker_ends_every_task(job):
-    script = job.script("""
-import sys, numpy as np, bps_gossip as bps
-bps.init()
-bps.push_pull(np.ones(3), "x")
-if bps.rank() == 1:
-    sys.exit(3)
-bps.push_pull(np.ones(3), "y")
-bps.shutdown()
-""")
     port = free_port()
-    results = run_tasks(job, [slurm_task(task, 3, port) for task in range(3)], script)
+    results = run_tasks(job, [slurm_task(task, 3, port) for task in range(3)], job_command("rank_one_fails_after_push"))
     codes = [code for code, _, _ in results]
     assert codes[1] == 3, results[1]
     assert codes[0] != 0 and codes[2] != 0, results  # the survivors see the loss
@@ -160,8 +144,7 @@ def test_real_mpirun(job):
     if "LAYOUT" not in check.stdout:
         pytest.skip(f"mpirun does not run here: {check.stdout[-300:]} {check.stderr[-300:]}")
     assert "LAYOUT openmpi 1 True" in check.stdout  # a port derives from what the real mpirun exports
-    script = job.script(SUM_SCRIPT)
-    proc = subprocess.Popen(mpirun_argv(3) + LAUNCH + [sys.executable, script],
+    proc = subprocess.Popen(mpirun_argv(3) + LAUNCH + SUM_JOB,
                             env={**job.env, "DMLC_PS_ROOT_PORT": str(free_port())}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     job.procs.append(proc)
@@ -200,8 +183,7 @@ def test_real_srun(job):
     env = {**job.env, "DMLC_PS_ROOT_PORT": str(port)}
     if os.environ.get("SLURM_CONF"):
         env["SLURM_CONF"] = os.environ["SLURM_CONF"]
-    proc = subprocess.Popen(["srun", "-n", "3", "-O", "--kill-on-bad-exit=1", *LAUNCH, sys.executable,
-                             job.script(SUM_SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(["srun", "-n", "3", "-O", "--kill-on-bad-exit=1", *LAUNCH, *SUM_JOB], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     job.procs.append(proc)
     proc.files = ()  # type: ignore[attr-defined]

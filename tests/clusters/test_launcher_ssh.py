@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import FAST_ENV
+from cluster import FAST_ENV, JOBS
 
 from bps_gossip.errors import ConfigError
 from bps_gossip.launch import cli, local, ssh
@@ -38,23 +38,9 @@ except netns.NetnsError as exc:
 needs_hosts = pytest.mark.skipif(bool(SKIP_WHY), reason=SKIP_WHY or "-")
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
 
-# rank (size-1) dies by SIGKILL after its first push_pull when DIE is set; the others go on.
-JOB = """
-import os, signal, time, numpy as np, bps_gossip as bg
-bg.init()
-r, n = bg.rank(), bg.size()
-x = np.full(1000, r + 1, dtype=np.float32)
-out = bg.push_pull(x, name="t", average=False)
-assert np.all(out == n * (n + 1) / 2), out[:4]
-print(f"RESULT rank={r} size={n} host={os.environ['DMLC_NODE_HOST']} cwd={os.getcwd()} "
-      f"extra={os.environ.get('EXTRA_SETTING')}", flush=True)
-if os.environ.get("DIE") == "1" and r == n - 1:
-    os.kill(os.getpid(), signal.SIGKILL)
-if os.environ.get("LOOP") == "1":
-    while True:
-        time.sleep(0.2)
-bg.shutdown()
-"""
+# push_pull on every host, then RESULT rank= size= host= cwd= extra=; rank (size-1) dies by SIGKILL
+# after it when DIE is set, and LOOP=1 keeps every rank running until stopped.
+JOB = [str(JOBS / "launcher_job.py"), "across_hosts"]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +89,9 @@ def test_a_bare_python_from_an_activated_virtualenv_is_that_one_everywhere(ssh_h
     """Issue 23, item 2: typed from an activated virtualenv, `bpslaunch -H ... python job.py` ran the
     login's python on the remote side (no mxnet, no bps_gossip). PATH and VIRTUAL_ENV are forwarded
     now, and the host check says which program the command runs on each host."""
-    (tmp_path / "job.py").write_text(JOB)
     venv = Path(sys.executable).parent
     env = _env(PATH=f"{venv}{os.pathsep}/usr/bin{os.pathsep}/bin", VIRTUAL_ENV=str(venv.parent))
-    out = _finish(_start(ssh_hosts, tmp_path, ["python", "job.py"], env), 100)
+    out = _finish(_start(ssh_hosts, tmp_path, ["python", *JOB], env), 100)
     assert len(re.findall(r"RESULT rank=\d size=4", out)) == 4, out
     a, b = ssh_hosts.addresses
     assert f"the command runs {venv / 'python'} on {a}, {venv / 'python'} on {b}" in out, out
@@ -117,8 +102,7 @@ def test_a_bare_python_from_an_activated_virtualenv_is_that_one_everywhere(ssh_h
 @pytest.mark.timeout(240)
 def test_two_hosts_train_from_one_command(ssh_hosts, tmp_path):
     a, b = ssh_hosts.addresses
-    (tmp_path / "job.py").write_text(JOB)
-    proc = _start(ssh_hosts, tmp_path, ["-x", "EXTRA_SETTING", sys.executable, "job.py"],
+    proc = _start(ssh_hosts, tmp_path, ["-x", "EXTRA_SETTING", sys.executable, *JOB],
                   _env(EXTRA_SETTING="forwarded"))
     out = _finish(proc, 120)
     assert proc.returncode == 0, out
@@ -140,9 +124,8 @@ def test_two_hosts_train_from_one_command(ssh_hosts, tmp_path):
 @needs_hosts
 @pytest.mark.timeout(120)
 def test_killed_remote_worker_stops_every_host(ssh_hosts, tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
     started = time.monotonic()
-    proc = _start(ssh_hosts, tmp_path, ["-x", "DIE", "-x", "LOOP=1", sys.executable, "job.py"], _env(DIE="1"))
+    proc = _start(ssh_hosts, tmp_path, ["-x", "DIE", "-x", "LOOP=1", sys.executable, *JOB], _env(DIE="1"))
     out = _finish(proc, 60)
     assert proc.returncode == 128 + signal.SIGKILL, out
     assert re.search(r"worker3 \(pid \d+\) exited with code 137; stopping every process", out), out
@@ -154,8 +137,7 @@ def test_killed_remote_worker_stops_every_host(ssh_hosts, tmp_path):
 @needs_hosts
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_host(ssh_hosts, tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
-    proc = _start(ssh_hosts, tmp_path, ["-x", "LOOP=1", sys.executable, "job.py"], _env())
+    proc = _start(ssh_hosts, tmp_path, ["-x", "LOOP=1", sys.executable, *JOB], _env())
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until every worker runs

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import free_port
-from test_launcher import LAUNCH, SUM_SCRIPT, Job
+from cluster import JOBS, free_port
+from test_launcher import LAUNCH, SUM_JOB, Job, job_command
 from test_launcher_batch import mpirun_argv, needs_mpirun, openmpi_task, parse_sums
 
 NO_SECRET = "no job secret"
@@ -53,8 +53,7 @@ def plain_job(tmp_path):
 def test_no_secret_is_said_once_per_job_by_task_zero(plain_job):
     """Three tasks as Open MPI's mpirun starts them (its variables, no mpirun needed)."""
     port = free_port()
-    script = plain_job.script(SUM_SCRIPT)
-    procs = [plain_job.start([sys.executable, script], openmpi_task(task, 3, port)) for task in range(3)]
+    procs = [plain_job.start(SUM_JOB, openmpi_task(task, 3, port)) for task in range(3)]
     results = [plain_job.finish(proc) for proc in procs]
     host = os.uname().nodename
     for task, (code, out, err) in enumerate(results):
@@ -69,8 +68,7 @@ def test_no_secret_is_said_once_per_job_by_task_zero(plain_job):
 @needs_mpirun
 @pytest.mark.timeout(60)
 def test_no_secret_is_said_once_under_a_real_mpirun(plain_job):
-    script = plain_job.script(SUM_SCRIPT)
-    proc = subprocess.Popen(mpirun_argv(3) + LAUNCH + [sys.executable, script],
+    proc = subprocess.Popen(mpirun_argv(3) + LAUNCH + SUM_JOB,
                             env={**plain_job.env, "DMLC_PS_ROOT_PORT": str(free_port())}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     plain_job.procs.append(proc)
@@ -84,20 +82,14 @@ def test_no_secret_is_said_once_under_a_real_mpirun(plain_job):
     plain_job.assert_nothing_left()
 
 
-LOOP_SCRIPT = """
-import numpy as np, bps_gossip as bps
-bps.init()
-x = np.ones(1000, np.float32)
-bps.push_pull(x, "x")
-print("READY", bps.rank(), flush=True)  # both ranks are past their first push_pull: in the loop next
-while True:
-    bps.push_pull(x, "x")
-"""
+# The lines of launcher_job.push_pull_forever's loop, where a Ctrl-C finds each worker.
+LOOP = next(number for number, line in enumerate((JOBS / "launcher_job.py").read_text().splitlines(), 1)
+            if "Ctrl-C lands here" in line)
 
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_prints_one_line_per_worker(job):
-    proc = job.start(["-np", "2", sys.executable, job.script(LOOP_SCRIPT)])
+    proc = job.start(["-np", "2", *job_command("push_pull_forever")])
     deadline = time.monotonic() + 40
     while job.output(proc)[0].count("READY") < 2:
         assert proc.poll() is None and time.monotonic() < deadline, job.output(proc)
@@ -113,28 +105,16 @@ def test_ctrl_c_prints_one_line_per_worker(job):
         said = [line for line in lines if line.startswith(f"[{rank}] ")]
         assert len(said) <= 1, said
         if said:  # where in the user's script (and in the library, if it was waiting there)
-            assert re.match(rf"\[{rank}\] KeyboardInterrupt on rank {rank} at \S*script\w+\.py:[78] ", said[0]), said
+            assert re.match(rf"\[{rank}\] KeyboardInterrupt on rank {rank} at \S*launcher_job\.py:({LOOP}|{LOOP + 1}) ",
+                            said[0]), said
     assert len(lines) <= 3, lines  # bpslaunch's "got SIGINT; stopping every process" and the workers'
     job.assert_nothing_left()
-
-
-MISMATCH = """
-    import mxnet as mx, mxnet_plugin as bps
-    bps.init()
-    net = mx.gluon.nn.Dense(8 if bps.rank() == 0 else 9)  # deferred shapes: known at the first forward
-    net.initialize()
-    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    with mx.autograd.record():
-        loss = net(mx.nd.ones((2, 4))).sum()
-    loss.backward()
-    trainer.step(2)
-"""
 
 
 @pytest.mark.timeout(60)
 def test_different_models_show_the_mismatch_with_a_short_traceback(cluster):
     job = cluster(2, 1)
-    done = job.run_workers(MISMATCH, timeout=45)
+    done = job.run_job("worker_process_job", "different_models", timeout=45)
     for finished in done:
         assert finished.returncode == 1, job.dump()
         # without the log lines of the engine (the other rank's exit may be logged at any time)
@@ -144,7 +124,9 @@ def test_different_models_show_the_mismatch_with_a_short_traceback(cluster):
         assert len(end) == 1 and "tensor 'parameter_dense0_weight'" in err[end[0]], err
         assert "(8, 4)" in err[end[0]] and "(9, 4)" in err[end[0]], err[end[0]]
         start = max(i for i, line in enumerate(err) if line.startswith("Traceback"))
-        assert 0 <= end[0] - start <= 15, err  # the user's line, Gluon's forward, the broadcast: nothing below
+        # from the user's frame (the scenario's; the job runner's two frames are above it)
+        user = next(i for i, line in enumerate(err) if i > start and line.endswith(", in different_models"))
+        assert 0 <= end[0] - user <= 14, err  # the user's line, Gluon's forward, the broadcast: nothing below
 
 
 def netns_unavailable() -> str:

@@ -1,4 +1,5 @@
-"""Authentication and sender identity on real processes (workers: tests/jobs/security_job.py).
+"""Authentication and sender identity on real processes (workers: tests/jobs/security_job.py;
+under bpslaunch: launcher_job.py).
 
 Without the job's secret a process completes no handshake: a worker or server says so
 at once, and raw sockets reach nothing. With the secret but without a place in the
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from cluster import assert_all_ok
-from test_launcher import Job, parse_sums
+from test_launcher import Job, job_command, parse_sums
 
 
 @pytest.mark.timeout(90)
@@ -71,16 +72,7 @@ def test_bpslaunch_makes_a_secret_per_job(tmp_path):
     try:
         env = {k: v for k, v in launched.env.items() if k != "BPS_GOSSIP_SECRET"}
         launched.env = env
-        body = """
-            import os, numpy as np, bps_gossip as bps
-            from bps_gossip.config import load_config
-            bps.init()
-            path = os.environ["BPS_GOSSIP_SECRET_FILE"]
-            print("SECRET", path, oct(os.stat(path).st_mode & 0o777), load_config().keys is not None, flush=True)
-            print("OUT", bps.rank(), bps.size(), bps.push_pull(np.ones(3), "x", average=False).tolist(), os.getpid())
-            bps.shutdown()
-        """
-        code, out, err = launched.finish(launched.start(["-np", "2", sys.executable, launched.script(body)]))
+        code, out, err = launched.finish(launched.start(["-np", "2", *job_command("secret_per_job")]))
         assert code == 0, out + err
         assert parse_sums(out)[1][2] == [2.0] * 3, out
         secrets = {tuple(line.split()[2:]) for line in out.splitlines() if " SECRET " in line}
