@@ -19,25 +19,14 @@ import time
 
 import pytest
 from cluster import read_output
-from test_launcher import Job
+from test_launcher import Job, job_command
 
 from bps_gossip.launch.diagnosis import error_line
 from bps_gossip.launch.local import free_port
 from bps_gossip.launch.supervisor import kill_groups, start_in_session
 
 ALONE = 'print("trained alone", flush=True)\n'
-GLUON_WITHOUT_PLUGIN = """
-import mxnet as mx
-from mxnet import autograd, gluon
-net = gluon.nn.Dense(1)
-net.initialize()
-trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="bpsgossip")
-with autograd.record():
-    loss = net(mx.nd.ones((4, 3))).sum()
-loss.backward()
-trainer.step(4)
-print("stepped", flush=True)
-"""
+GLUON_WITHOUT_PLUGIN = job_command("gluon_without_plugin", module="startup_job")
 
 
 @pytest.fixture
@@ -69,7 +58,7 @@ def test_workers_that_never_register_fail_the_job(job):
 @pytest.mark.timeout(60)
 def test_gluon_trainer_without_the_plugin_import_fails_the_job(job):
     """The user's case: MXNet drops kvstore='bpsgossip' it does not know, each rank trains alone."""
-    code, out, err, _ = run(job, ["-np", "2", sys.executable, job.script(GLUON_WITHOUT_PLUGIN)], timeout=50)
+    code, out, err, _ = run(job, ["-np", "2", *GLUON_WITHOUT_PLUGIN], timeout=50)
     assert out.count("stepped") == 2, out + err
     assert code == 1 and "none registered with the scheduler" in err, out + err
     job.assert_nothing_left()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_launcher import Job
+from test_launcher import Job, job_command
 
 JOB = str(Path(__file__).resolve().parents[1] / "jobs" / "elastic_job.py")
 EPOCHS, SAMPLES, BATCH = 3, 60, 4
@@ -69,20 +69,10 @@ def test_crashed_worker_is_restarted_and_job_is_exact(job):
     job.assert_nothing_left()
 
 
-CRASH_ONCE = """
-import os, pathlib, runpy, sys
-marker = pathlib.Path(os.environ["CRASH_MARKER"])
-if os.environ["BYTEPS_LOCAL_RANK"] == "1" and not marker.exists():
-    marker.touch()
-    os.kill(os.getpid(), 9)  # before the rendezvous: the replacement takes over the slot
-runpy.run_path(sys.argv[1], run_name="__main__")
-"""
-
-
 @pytest.mark.timeout(40)
 def test_crash_before_rendezvous_is_replaced_in_its_slot(job, tmp_path):
     marker = tmp_path / "crashed-once"
-    args = ["-np", "2", "--max-np", "2", sys.executable, job.script(CRASH_ONCE), JOB]
+    args = ["-np", "2", "--max-np", "2", *job_command("crash_once_then", JOB, module="startup_job")]
     code, out, err = job.finish(job.start(args, {**JOB_ENV, "CRASH_MARKER": str(marker)}), timeout=30)
     assert code == 0, out + err
     assert marker.exists() and "starting worker w2 in place of worker 1" in err, err
@@ -94,21 +84,11 @@ def test_crash_before_rendezvous_is_replaced_in_its_slot(job, tmp_path):
     job.assert_nothing_left()
 
 
-CRASH = """
-import os, sys, time
-if os.environ["BYTEPS_LOCAL_RANK"] == "1":
-    sys.exit(3)  # every process of slot 1 crashes at once
-import bps_gossip as bps
-bps.init()
-time.sleep(1000)
-"""
-
-
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("limit", [0, 1])
 def test_reset_limit_fails_the_job(job, limit):
     start = time.monotonic()
-    args = ["-np", "2", "--max-np", "2", "--reset-limit", str(limit), sys.executable, job.script(CRASH)]
+    args = ["-np", "2", "--max-np", "2", "--reset-limit", str(limit), *job_command("slot_one_exits", module="startup_job")]
     code, out, err = job.finish(job.start(args), timeout=30)
     assert code == 3, out + err
     assert f"the reset limit is reached ({limit} of --reset-limit {limit} restarts used)" in err, err
@@ -123,17 +103,8 @@ def test_a_slot_failing_at_start_up_is_restarted_ever_more_slowly(job, tmp_path)
     2 s, forever (75 restarts in 2 minutes). The wait doubles for each failure at start-up in a
     row: 2, 4, 8 s ... up to 60 s. (Each fails differently here: the same failure three times
     in a row ends the job, tests/clusters/test_launch_failures.py.)"""
-    body = """
-import os, pathlib, sys, time
-if os.environ["BYTEPS_LOCAL_RANK"] == "1":
-    failed = pathlib.Path(os.environ["FAILED_DIR"])
-    count = len(list(failed.iterdir()))
-    (failed / str(os.getpid())).touch()
-    sys.exit(3 + count)  # every process of slot 1 fails at once, each with another code
-time.sleep(60)  # slot 0 waits (the rendezvous would wait for slot 1)
-"""
     (tmp_path / "failed").mkdir()
-    main = job.start(["-np", "2", "--min-np", "1", sys.executable, job.script(body)],
+    main = job.start(["-np", "2", "--min-np", "1", *job_command("slot_one_fails_differently", module="startup_job")],
                      {"FAILED_DIR": str(tmp_path / "failed")})
     wait_for(main, job, r"slot 1 failed 2 times in a row within 30 s of starting: restarting it in 4 s$")
     wait_for(main, job, r"slot 1 failed 3 times in a row within 30 s of starting: restarting it in 8 s$")
@@ -179,26 +150,11 @@ def test_join_adds_a_worker(job):
     job.assert_nothing_left()
 
 
-STALL = """
-import os, signal, time, bps_gossip as bps
-marker = os.environ["MARKER"] + os.environ["BYTEPS_LOCAL_RANK"]
-if os.path.exists(marker):
-    time.sleep(1000)  # the slot's replacement never joins: the job stays below --min-np
-open(marker, "w").close()
-bps.init()
-print("READY", bps.rank(), os.getpid(), flush=True)
-time.sleep(1.0)
-if bps.rank() == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)  # stuck: no heartbeats; the scheduler removes it (and kills it)
-time.sleep(1000)
-"""
-
-
 @pytest.mark.timeout(40)
 def test_below_min_np_fails_within_the_timeout(job):
     start = time.monotonic()
     args = ["-np", "2", "--min-np", "2", "--reset-limit", "1", "--elastic-timeout", "3",
-            sys.executable, job.script(STALL)]
+            *job_command("stall", module="elastic_edges_job")]
     code, out, err = job.finish(job.start(args, {"MARKER": str(job.tmp_path / "started")}), timeout=30)
     elapsed = time.monotonic() - start
     assert code == 1, out + err

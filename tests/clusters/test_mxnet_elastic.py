@@ -83,19 +83,7 @@ def test_kvstore_and_module_api_refused_in_elastic_jobs(cluster):
     """Neither keeps its state in an elastic State: a clear error at creation on every rank,
     not ranks drifting apart after the first change of workers."""
     job = cluster(2, env=ELASTIC_ENV)
-    done = job.run_workers("""
-        import mxnet as mx, bps_gossip, mxnet_plugin as bps
-        bps.init()
-        errors = []
-        for make in (lambda: mx.kv.create("bpsgossip"), lambda: bps.DistributedOptimizer(mx.optimizer.SGD())):
-            try:
-                make()
-                errors.append("no error")
-            except bps_gossip.ConfigError as exc:
-                errors.append(str(exc))
-        report(errors)
-        bps.shutdown()
-    """, timeout=90)
+    done = job.run_job("elastic_edges_job", "kvstore_and_module_api", timeout=90)
     for f in done:
         assert f.returncode == 0, job.dump()
         kvstore, optimizer = f.result

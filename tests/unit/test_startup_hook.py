@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 STARTUP = Path(__file__).resolve().parents[2] / "startup"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "startup_job.py"
 
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+def run(scenario: str, *args: str) -> str:
+    """What scenario ``scenario`` of tests/jobs/startup_job.py prints, in a Python of its own."""
+    done = subprocess.run([sys.executable, str(JOB), scenario, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -31,13 +33,7 @@ def test_installed_in_site_packages_as_in_the_checkout():
 
 @pytest.mark.timeout(60)
 def test_waits_for_mxnet_then_steps_aside():
-    out = run("import sys\n"
-              "names = lambda: [getattr(m, '__name__', '') for m in sys.meta_path]\n"
-              "print('BeforeMXNet' in names())\n"
-              "import json\n"
-              "print('BeforeMXNet' in names())\n"
-              "import mxnet\n"
-              "print('BeforeMXNet' in names())\n")
+    out = run("hook_waits_for_mxnet")  # at start, after another first import, after importing mxnet
     assert out.split() == ["True", "True", "False"]
 
 
@@ -48,15 +44,7 @@ def test_waits_for_mxnet_then_steps_aside():
     ("2.1.0", ["int", "float", "complex", "object", "str"]),      # numpy 2 has np.bool again
 ])
 def test_restores_only_what_numpy_lacks(version, expected):
-    out = run("import sys, types\n"
-              "fake = types.ModuleType('numpy')\n"
-              f"fake.__version__ = {version!r}\n"
-              "if fake.__version__.startswith('2'): fake.bool = 'numpy.bool'\n"
-              "sys.modules['numpy'] = fake\n"
-              "import bps_gossip_numpy_aliases as hook\n"
-              "added = hook.restore_numpy_aliases()\n"
-              "assert all(getattr(fake, name) is hook.ALIASES[name] for name in added)\n"
-              "print(','.join(added) + '|' + str(fake.__dict__.get('bool')))\n")
+    out = run("hook_restores_aliases", version)  # under a fake numpy of that version
     added, bool_after = out.split("|")
     assert [name for name in added.split(",") if name] == expected
     assert bool_after == ("numpy.bool" if version.startswith("2") else "<class 'bool'>" if expected else "None")
