@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
 sys.path.insert(0, str(SCRIPTS))
 
 import netns  # noqa: E402
@@ -31,26 +32,7 @@ ROUNDS = 3
 
 # Runs on each worker host: push_pull, check the sum, and report the link's byte counters
 # (/sys inside `ip netns exec` is the namespace's own) and whether shared memory was chosen.
-WORKER = f"""
-import numpy as np, bps_gossip as bg
-from bps_gossip import testing
-
-def link():
-    read = lambda name: int(open(f"/sys/class/net/eth0/statistics/{{name}}_bytes").read())
-    return read("rx"), read("tx")
-
-bg.init()
-rank, size = bg.rank(), bg.size()
-rx0, tx0 = link()
-x = np.full({ELEMENTS}, rank + 1, dtype=np.float32)
-for _ in range({ROUNDS}):
-    out = bg.push_pull(x, name="t", average=False)
-    assert np.all(out == size * (size + 1) / 2), out[:4]
-rx1, tx1 = link()
-print(f"RESULT rank={{rank}} size={{size}} rx={{rx1 - rx0}} tx={{tx1 - tx0}} "
-      f"shm={{sorted(testing.server_links().shm_servers)}}", flush=True)
-bg.shutdown()
-"""
+WORKER = [sys.executable, str(JOBS / "netns_job.py"), "push_pull_over_the_link", str(ELEMENTS), str(ROUNDS)]
 
 
 def run_cluster(command: list[str], timeout: float = 45, local_size: int = 1,
@@ -77,7 +59,7 @@ def leftover_namespaces(pid: int) -> list[str]:
 
 
 def test_push_pull_across_namespaces_goes_over_the_links() -> None:
-    done, pid = run_cluster([sys.executable, "-c", WORKER])
+    done, pid = run_cluster(WORKER)
     assert done.returncode == 0, done.stderr[-3000:]
     results = sorted(line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line)
     assert len(results) == 2, done.stdout
@@ -101,25 +83,7 @@ def test_failing_worker_stops_the_job_and_removes_the_namespaces() -> None:
 
 
 # Two workers on each host: the host's link carries what they push between barriers.
-HOST_WORKER = f"""
-import numpy as np, bps_gossip as bg
-
-def sent():
-    return int(open("/sys/class/net/eth0/statistics/tx_bytes").read())
-
-bg.init()
-rank, size = bg.rank(), bg.size()
-x = np.full({ELEMENTS}, rank + 1, dtype=np.float32)
-bg.push_pull(x, name="t", average=False)  # connections and segments made
-bg.barrier()
-before = sent()
-for _ in range({ROUNDS}):
-    out = bg.push_pull(x, name="t", average=False)
-    assert np.all(out == size * (size + 1) / 2), out[:4]
-bg.barrier()
-print(f"RESULT rank={{rank}} size={{size}} tx={{sent() - before}}", flush=True)
-bg.shutdown()
-"""
+HOST_WORKER = [sys.executable, str(JOBS / "netns_job.py"), "sent_between_barriers", str(ELEMENTS), str(ROUNDS)]
 
 
 def test_one_push_per_host_halves_what_a_host_sends() -> None:
@@ -127,7 +91,7 @@ def test_one_push_per_host_halves_what_a_host_sends() -> None:
     host's link carries about half of what its two workers push without it (issue 21: <= 0.6)."""
     sent = {}
     for mode in ("off", "auto"):
-        done, pid = run_cluster([sys.executable, "-c", HOST_WORKER], local_size=2,
+        done, pid = run_cluster(HOST_WORKER, local_size=2,
                                 env={"BPS_GOSSIP_HOST_REDUCE": mode})
         assert done.returncode == 0, done.stderr[-3000:]
         assert leftover_namespaces(pid) == []
@@ -143,29 +107,12 @@ def test_one_push_per_host_halves_what_a_host_sends() -> None:
 # mode='auto' on three worker hosts, one of them behind a 10 Mbit/s link (a message of this
 # model takes about 0.2 s over it): gossip finds it slow and routes around it, and allreduce,
 # whose every step would wait for that link, is never measured (issue 24).
-AUTO_WORKER = """
-import json, mxnet as mx, mxnet_plugin as bps
-bps.init()
-rank = bps.rank()
-net = mx.gluon.nn.Dense(256, in_units=256)
-net.initialize(mx.init.Constant(0.01))
-trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.001}, mode="auto")
-x = mx.nd.full((2, 256), rank + 1.0)
-for step in range(30):
-    with mx.autograd.record():
-        loss = net(x).sum()
-    loss.backward()
-    trainer.step(2)
-trainer.average_parameters()
-print("RESULT " + json.dumps({"history": list(trainer.mode_history), "distance": trainer.consensus_distance()}),
-      flush=True)
-bps.shutdown()
-"""
+AUTO_WORKER = [sys.executable, str(JOBS / "netns_job.py"), "auto_mode_steps"]
 
 
 @pytest.mark.timeout(120)
 def test_auto_mode_does_not_measure_allreduce_across_a_slow_link() -> None:
-    done, pid = run_cluster([sys.executable, "-c", AUTO_WORKER], timeout=100, workers=3, slow="worker2=10",
+    done, pid = run_cluster(AUTO_WORKER, timeout=100, workers=3, slow="worker2=10",
                             env={"BPS_GOSSIP_AUTO_WINDOW": "6", "BYTEPS_LOG_LEVEL": "INFO"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert leftover_namespaces(pid) == []

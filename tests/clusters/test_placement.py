@@ -8,10 +8,9 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
-from cluster import FAST_ENV, assert_all_ok
+from cluster import FAST_ENV, JOBS, assert_all_ok
 
 from bps_gossip import placement
 from bps_gossip.config import load_config
@@ -178,43 +177,17 @@ def test_the_launchers_record_round_trips():
 
 
 # -- real processes --------------------------------------------------------------------------
-PROBE = """
-import json, os, threading
-import bps_gossip as bps
-bps.init()
-engine = next(t for t in threading.enumerate() if t.name == "bps-gossip-engine")
-zmq_cpus = set()
-for tid in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{tid}/comm") as comm:
-        if comm.read().startswith("ZMQbg"):
-            zmq_cpus |= os.sched_getaffinity(int(tid))
-services = {}  # the scheduler and server of this job (same DMLC_PS_ROOT_PORT), alive until shutdown
-port = os.environ["DMLC_PS_ROOT_PORT"].encode()
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\\0") if b"=" in v)
-        if env.get(b"DMLC_PS_ROOT_PORT") == port and env.get(b"DMLC_ROLE") in (b"server", b"scheduler"):
-            services[env[b"DMLC_ROLE"].decode()] = sorted(os.sched_getaffinity(int(pid)))
-    except OSError:
-        pass
-print("PROBE " + json.dumps({"local_rank": bps.local_rank(), "main": sorted(os.sched_getaffinity(0)),
-      "engine": sorted(os.sched_getaffinity(engine.native_id)), "zmq": sorted(zmq_cpus), "services": services,
-      "omp": os.environ.get("OMP_NUM_THREADS"), "mxnet": os.environ.get("MXNET_CPU_WORKER_NTHREADS")}), flush=True)
-bps.barrier()
-bps.shutdown()
-"""
+PROBE = [sys.executable, str(JOBS / "placement_job.py"), "probe"]  # prints PROBE {json}: what one worker sees
 
 
-def launch(tmp_path, args: list[str], env: dict[str, str] | None = None, timeout: float = 60,
+def launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60,
            taskset: int | None = None):
     """Run bpslaunch with ``args`` and PROBE (on CPU ``taskset`` only, as the user's affinity);
     return (exit code, {local rank: probe}, its output)."""
-    script = tmp_path / "probe.py"
-    script.write_text(textwrap.dedent(PROBE))
     full_env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL", "OMP_",
                                                                             "MXNET_CPU", "BPS_GOSSIP_"))},
                 **FAST_ENV, "BYTEPS_LOG_LEVEL": "INFO", **(env or {})}
-    proc = subprocess.Popen(LAUNCH + args + [sys.executable, str(script)], env=full_env, start_new_session=True,
+    proc = subprocess.Popen(LAUNCH + args + PROBE, env=full_env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=None if taskset is None else lambda: os.sched_setaffinity(0, {taskset}))
     try:
@@ -231,8 +204,8 @@ def launch(tmp_path, args: list[str], env: dict[str, str] | None = None, timeout
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(len(CPUS) < 2, reason="a reservation needs 2 CPUs")
-def test_bpslaunch_places_workers_servers_and_communication_threads(tmp_path):
-    code, probes, output = launch(tmp_path, ["-np", "2", "--comm-cores", "1"])
+def test_bpslaunch_places_workers_servers_and_communication_threads():
+    code, probes, output = launch(["-np", "2", "--comm-cores", "1"])
     assert code == 0, output
     expected = placement.plan_here(2, {}, Options(comm_cores=1))
     assert expected.pinned
@@ -247,8 +220,8 @@ def test_bpslaunch_places_workers_servers_and_communication_threads(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_bpslaunch_keeps_the_users_threads_and_says_so(tmp_path):
-    code, probes, output = launch(tmp_path, ["-np", "2"], {"OMP_NUM_THREADS": "3"})
+def test_bpslaunch_keeps_the_users_threads_and_says_so():
+    code, probes, output = launch(["-np", "2"], {"OMP_NUM_THREADS": "3"})
     assert code == 0, output
     expected = placement.plan_here(2, {"OMP_NUM_THREADS": "3"}, Options())
     for rank in (0, 1):
@@ -259,9 +232,9 @@ def test_bpslaunch_keeps_the_users_threads_and_says_so(tmp_path):
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs a CPU to leave out")
-def test_bpslaunch_keeps_the_users_affinity_and_says_so(tmp_path):
+def test_bpslaunch_keeps_the_users_affinity_and_says_so():
     """taskset -c C bpslaunch ...: every process stays on C."""
-    code, probes, output = launch(tmp_path, ["-np", "2"], taskset=CPUS[-1])
+    code, probes, output = launch(["-np", "2"], taskset=CPUS[-1])
     assert code == 0, output
     for rank in (0, 1):
         assert probes[rank]["main"] == probes[rank]["engine"] == [CPUS[-1]], output
@@ -271,8 +244,8 @@ def test_bpslaunch_keeps_the_users_affinity_and_says_so(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_no_affinity_pins_nothing(tmp_path):
-    code, probes, output = launch(tmp_path, ["-np", "2", "--comm-cores", "1", "--no-affinity"])
+def test_no_affinity_pins_nothing():
+    code, probes, output = launch(["-np", "2", "--comm-cores", "1", "--no-affinity"])
     assert code == 0, output
     for rank in (0, 1):
         assert probes[rank]["main"] == probes[rank]["engine"] == CPUS
@@ -288,8 +261,8 @@ def test_no_affinity_pins_nothing(tmp_path):
     (["--comm-cores", str(len(CPUS))], {}, f"BPS_GOSSIP_COMM_CORES={len(CPUS)} (bpslaunch --comm-cores) leaves no core"),
     ([], {"BPS_GOSSIP_AFFINITY": "maybe"}, "BPS_GOSSIP_AFFINITY='maybe' is not a boolean"),
 ])
-def test_bad_options_fail_at_start(tmp_path, args, env, message):
-    code, probes, output = launch(tmp_path, ["-np", "2", *args], env, timeout=20)
+def test_bad_options_fail_at_start(args, env, message):
+    code, probes, output = launch(["-np", "2", *args], env, timeout=20)
     assert code == 2 and not probes, output
     assert f"bpslaunch: {message}" in output
 
@@ -303,19 +276,7 @@ def test_a_worker_started_another_way_places_itself(cluster):
     if len(usable) < machine:
         pytest.skip("this process's affinity is narrower than the machine's: a worker would keep it")
     job = cluster(2, env={"BPS_GOSSIP_COMM_CORES": "1", "BYTEPS_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": None})
-    code = """
-    import ctypes, os, threading, sys
-    if os.environ["DMLC_WORKER_ID"] == "1":
-        ctypes.CDLL("libgomp.so.1")  # as importing mxnet does
-    import bps_gossip as bps
-    bps.init()
-    engine = next(t for t in threading.enumerate() if t.name == "bps-gossip-engine")
-    report({"local_rank": bps.local_rank(), "main": sorted(os.sched_getaffinity(0)),
-            "engine": sorted(os.sched_getaffinity(engine.native_id)), "omp": os.environ.get("OMP_NUM_THREADS")})
-    bps.barrier()
-    bps.shutdown()
-    """
-    finished = job.run_workers(code)
+    finished = job.run_job("placement_job", "place_myself")  # worker 1 loads libgomp before init()
     assert_all_ok(finished, job)
     expected = placement.plan_here(2, {}, Options(comm_cores=1))
     placed, loaded = finished
