@@ -359,13 +359,15 @@ def test_unit_and_cluster_tests_are_apart():
         assert any(f"pytest.mark.{marker}" in p.read_text() for p in (tests / "clusters").glob("test_*.py")), marker
 
 
-INTERNAL_REACH = re.compile(r"\b_rt\(|\b(?:api|engine|routing|pool|servers|hosts|channel)\._[a-z]\w|\btrainer\d?\._mode\b")
+INTERNAL_REACH = re.compile(r"\b_rt\(|\b(?:api|engine|routing|pool|servers|hosts|channel|mode|policy|fusion)\._[a-z]\w"
+                            r"|\btrainer\d?\._mode\b|_kvstore\._fusion\b|\bsuper\(\)\._[a-z]")
 
 
 def test_tests_use_the_testing_hooks_not_private_names():
     """Tests and their jobs look inside a worker through bps_gossip.testing (engine(), address_book(),
-    host_link(), server_links(), segment_pool()) and a trainer through its mode_object, never
-    through the API's private runtime."""
+    host_link(), server_links(), segment_pool()), a trainer through its mode_object, mode='auto'
+    through its public hooks (window_loss, average_exactly, AutoPolicy.choose_mode) and a store's
+    fusion through BpsGossip.fusion, never through private names."""
     offenders = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tests").rglob("*.py")) if p.name != "test_style.py"
                  for n, line in enumerate(p.read_text().splitlines(), 1) if INTERNAL_REACH.search(line)]
     assert not offenders, f"tests reaching into private names: {offenders}"
