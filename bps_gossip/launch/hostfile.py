@@ -59,15 +59,28 @@ def _slots(text: str, where: str) -> int:
     return slots
 
 
-def _unique(hosts: list[Host], where: str) -> list[Host]:
+def check_unique(hosts: list[Host], where: str) -> list[Host]:
+    """``hosts`` as given; raise ConfigError if a host (by address) is listed twice."""
     seen: set[str] = set()
     for host in hosts:
         if host.address in seen:
             raise ConfigError(f"{where}: host {host.address!r} is listed twice; give it once with all its slots")
         seen.add(host.address)
+    return hosts
+
+
+def _unique(hosts: list[Host], where: str) -> list[Host]:
+    check_unique(hosts, where)
     if not hosts:
         raise ConfigError(f"{where}: no hosts")
     return hosts
+
+
+def parse_host_item(item: str, where: str, default_slots: int = 1) -> Host:
+    """One ``host`` or ``host:slots`` (``default_slots`` when not given), validated as ``-H``
+    validates it; ``where`` starts the ConfigError's message."""
+    name, colon, slots = item.partition(":")
+    return Host(_host(name, where), _slots(slots, where) if colon else default_slots)
 
 
 def parse_hosts(spec: str) -> list[Host]:
@@ -78,8 +91,7 @@ def parse_hosts(spec: str) -> list[Host]:
         where = f"-H {spec!r}"
         if not item:
             raise ConfigError(f"{where}: an empty host between commas")
-        name, colon, slots = item.partition(":")
-        hosts.append(Host(_host(name, where), _slots(slots, where) if colon else 1))
+        hosts.append(parse_host_item(item, where))
     return _unique(hosts, f"-H {spec!r}")
 
 
