@@ -67,6 +67,10 @@ STOP_REQUEST = "bps_gossip-stop-worker"
 # "<WORKER_REGISTERED> <pid>" for each worker that registers, so that bpslaunch can tell a worker
 # that never reached the job (no bps.init(), no 'bpsgossip' KVStore) from one that did.
 WORKER_REGISTERED = "bps_gossip-worker-registered"
+# And "<GENERATION_FORMED> <generation> <workers>" each time an address book goes out (the first
+# rendezvous, every elastic change): an elastic launcher over several hosts adds workers only to a
+# job that has started, and says how long a change took.
+GENERATION_FORMED = "bps_gossip-generation"
 REGISTRATIONS_VAR = "BPS_GOSSIP_REPORT_REGISTRATIONS"
 
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Tuple
 from bps_gossip import placement
 from bps_gossip.compat import zip_exact
 from bps_gossip.launch.local import free_port
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.sessions import kill_groups, start_in_session
 
 REPLY_PREFIX = "@@BENCH "  # marks protocol lines: MXNet and ps-lite may print to stdout too
 STARTUP_TIMEOUT = 180.0  # seconds for a cluster to come up (import mxnet x N on 2 cores)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.sessions import kill_groups, start_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "gluon_elastic_job.py"

@@ -91,6 +91,15 @@ class SshHosts:
             raise
         return self
 
+    def restart_sshd(self, name: str) -> None:
+        """Start ``name``'s sshd again once it is gone (a test killed the host), and wait for it."""
+        try:
+            self.sshd[name].wait(5)
+        except subprocess.TimeoutExpired:
+            return  # still running
+        self._start_sshd(name)
+        self._wait_listening(name)
+
     def _start_sshd(self, name: str) -> None:
         config = os.path.join(self.dir, f"sshd_{name}.conf")
         with open(config, "w") as file:

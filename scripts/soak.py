@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bps_gossip.compat import zip_exact
 from bps_gossip.launch.local import free_port
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.sessions import kill_groups, start_in_session
 
 WORKER = '''
 import json, math, os, random, sys, time

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bps_gossip.launch.local import free_port
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.sessions import kill_groups, start_in_session
 from bps_gossip.transport import shm
 
 FAST_ENV = {

@@ -26,13 +26,16 @@ from .backend import Backend
 from .batch import BatchBackend
 from .byteps import BytepsBackend
 from .elastic import ElasticOptions, run_join
+from .elastic_hosts import ElasticHostsBackend
 from .local import LocalBackend
 from .ssh import SshBackend
 from .supervisor import Supervisor
 
-# In order: the first backend whose from_args claims the command line runs the job. BytePS
-# mode claims every command line, so it comes last.
-BACKENDS: tuple[type[Backend], ...] = (SshBackend, LocalBackend, BatchBackend, BytepsBackend)
+# In order: the first backend whose from_args claims the command line runs the job. Elastic over
+# hosts claims elastic flags with hosts (-H, --hostfile, --host-discovery-script, a Slurm
+# allocation of several nodes) before ssh and local mode; BytePS mode claims every command line,
+# so it comes last.
+BACKENDS: tuple[type[Backend], ...] = (ElasticHostsBackend, SshBackend, LocalBackend, BatchBackend, BytepsBackend)
 
 
 def choose_backend(args: argparse.Namespace, env: Mapping[str, str]) -> Backend:
@@ -54,10 +57,12 @@ def check_options(args: argparse.Namespace) -> None:
         return
     if args.root is not None:
         raise ConfigError("--root needs --join")
-    if args.hosts is not None or args.hostfile is not None:
-        return  # the ssh backend checks its own
+    if args.hosts is not None or args.hostfile is not None or args.host_discovery_script is not None:
+        return  # the ssh backends check their own
     if args.forward or args.ssh_port is not None or args.ssh_identity_file or args.ssh_options or args.remote_python:
-        raise ConfigError("-x, --ssh-* and --remote-python need -H or --hostfile")
+        if os.environ.get("SLURM_JOB_NODELIST") and elastic:
+            return  # an elastic job over the nodes of a Slurm allocation
+        raise ConfigError("-x, --ssh-* and --remote-python need -H, --hostfile or --host-discovery-script")
     if args.num_proc is None and args.num_servers is not None:
         raise ConfigError("--num-servers needs -np; in BytePS mode set DMLC_NUM_SERVER")
     if args.num_proc is None and elastic:
@@ -82,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
   DMLC_ROLE=worker DMLC_WORKER_ID=0 BYTEPS_LOCAL_SIZE=2 bpslaunch python train.py
   bpslaunch -np 4 --min-np 2 --max-np 6 --reset-limit 3 python train.py   elastic, local
   bpslaunch --join --root 127.0.0.1:9000 python train.py                  one more worker
+  bpslaunch -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
+                                                 elastic over hosts that come and go (ssh)
   bpslaunch -np 8 -H host1:4,host2:4 python train.py     over ssh, 4 workers on each host
   bpslaunch --hostfile hosts.txt -x LD_LIBRARY_PATH python train.py   lines 'host slots=N'
   srun -n 8 bpslaunch python train.py            Slurm: one worker per task, a server per node
@@ -146,7 +153,7 @@ failed worker's code or the scheduler's (1).""",
     multi.add_argument("--remote-python", metavar="PATH",
                        help="the Python that runs bps_gossip on the hosts (default: this one's path, "
                             f"{sys.executable})")
-    elastic = parser.add_argument_group("elastic jobs (local mode)")
+    elastic = parser.add_argument_group("elastic jobs (on this host, or over hosts that come and go)")
     elastic.add_argument("--min-np", type=int, metavar="A",
                          help="elastic: the job fails when fewer than A workers remain for longer than "
                               "the elastic timeout (default 1)")
@@ -157,6 +164,16 @@ failed worker's code or the scheduler's (1).""",
     elastic.add_argument("--elastic-timeout", type=float, metavar="SECONDS",
                          help="elastic: how long the job may stay below --min-np (BPS_GOSSIP_ELASTIC_TIMEOUT, "
                               "default 60)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="elastic over several hosts: an executable that prints the hosts available now, "
+                              "one 'host' or 'host:slots' per line; run every few seconds (docs/elastic.md, "
+                              "'Across hosts'); -H or --hostfile give a fixed list instead")
+    elastic.add_argument("--slots-per-host", type=int, metavar="K",
+                         help="elastic over hosts: the slots of a host the discovery script gives without any "
+                              "(default 1)")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LO", "HI"),
+                         help="elastic over hosts: a host whose worker failed stays out LO seconds, twice as "
+                              "long at each failure up to HI, then may come back (default: out for good)")
     elastic.add_argument("--join", action="store_true",
                          help="run one worker process that joins a running elastic job")
     elastic.add_argument("--root", metavar="HOST:PORT",

@@ -152,6 +152,18 @@ def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None
         return sup.wait(fail_fast=False)
 
 
+def scheduler_reason(scheduler: Child) -> str:
+    """The scheduler's own words on why it ended: its 'the job failed' line, else its last line."""
+    for pump in scheduler.pumps:
+        pump.join(timeout=1.0)  # the output it printed before exiting
+    lines = list(scheduler.tail)
+    reason = next((line.split("the job failed: ", 1)[-1] for line in reversed(lines) if "the job failed" in line),
+                  lines[-1] if lines else "no message")
+    if "BPS_GOSSIP_MIN_WORKERS" in reason:  # the scheduler speaks in variables; the user gave flags
+        reason += " [set by --min-np and --elastic-timeout]"
+    return reason
+
+
 class ElasticRun:
     """Supervise the workers of an elastic local job: restart the failed, stop on job failure.
 
@@ -334,17 +346,7 @@ class ElasticRun:
         return self.first_error
 
     def _reason(self) -> str:
-        """The scheduler's own words: its 'the job failed' line, else its last line."""
-        if self.scheduler is None:
-            return "no scheduler"
-        for pump in self.scheduler.pumps:
-            pump.join(timeout=1.0)  # the output it printed before exiting
-        lines = list(self.scheduler.tail)
-        reason = next((line.split("the job failed: ", 1)[-1] for line in reversed(lines) if "the job failed" in line),
-                      lines[-1] if lines else "no message")
-        if "BPS_GOSSIP_MIN_WORKERS" in reason:  # the scheduler speaks in variables; the user gave flags
-            reason += " [set by --min-np and --elastic-timeout]"
-        return reason
+        return "no scheduler" if self.scheduler is None else scheduler_reason(self.scheduler)
 
     def _fail(self, message: str, code: int) -> int:
         self._note(message)

@@ -19,11 +19,11 @@ def _prefix(port: int) -> str:
     return f"bpsg_secret_{port}_"
 
 
-def make_secret_file(port: int) -> str:
-    """A fresh job secret in a file only this user can read; its path."""
+def make_secret_file(port: int, secret: str | None = None) -> str:
+    """``secret`` (default: a fresh one) in a file only this user can read; its path."""
     fd, path = tempfile.mkstemp(prefix=_prefix(port))  # mode 0600
     with os.fdopen(fd, "w") as file:
-        file.write(secrets.token_hex(32) + "\n")
+        file.write((secret or secrets.token_hex(32)) + "\n")
     return path
 
 

@@ -101,36 +101,40 @@ def job_secret(env: Mapping[str, str]) -> str:
     return secrets.token_hex(32)
 
 
+def probe_host(host: Host, ssh: SshOptions, python: str, program: str = "", path: str = "") -> dict:
+    """Check one host (see :func:`.remote.probe`; with ``program``: what it runs there with the
+    forwarded ``path``); its answer, or ConfigError saying why it cannot be used."""
+    which = ["--which", program, path] if program else []
+    argv = ssh.argv(host, [python, "-m", REMOTE_MODULE, "--probe", *which])
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{host.target}: no answer within {PROBE_SECONDS:.0f} s") from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m {REMOTE_MODULE} failed)"
+        raise ConfigError(f"{host.target}{hint}: {why}")
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise ConfigError(f"{host.target}: unexpected answer to the check: {done.stdout[-200:]!r}") from None
+    if not isinstance(answer, dict):
+        raise ConfigError(f"{host.target}: unexpected answer to the check: {done.stdout[-200:]!r}")
+    if program and not answer.get("program"):
+        raise ConfigError(f"{host.target}: {program!r} is not found there with the PATH forwarded from here "
+                          f"({path or 'none'})")
+    return answer
+
+
 def probe_hosts(hosts: Sequence[Host], ssh: SshOptions, python: str, program: str = "",
                 path: str = "") -> dict[str, dict]:
-    """Check every host at once; return each one's probe (see :func:`.remote.probe`; with
-    ``program``: what it runs there with the forwarded ``path``), or raise ConfigError naming
-    every host that failed and why."""
-    def one(host: Host) -> dict:
-        which = ["--which", program, path] if program else []
-        argv = ssh.argv(host, [python, "-m", REMOTE_MODULE, "--probe", *which])
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=PROBE_SECONDS)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"{host.target}: no answer within {PROBE_SECONDS:.0f} s") from None
-        if done.returncode != 0:
-            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            hint = " (ssh could not log in)" if done.returncode == 255 else f" ({python} -m {REMOTE_MODULE} failed)"
-            raise ConfigError(f"{host.target}{hint}: {why}")
-        try:
-            answer = json.loads(done.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            raise ConfigError(f"{host.target}: unexpected answer to the check: {done.stdout[-200:]!r}") from None
-        if program and not answer.get("program"):
-            raise ConfigError(f"{host.target}: {program!r} is not found there with the PATH forwarded from here "
-                              f"({path or 'none'})")
-        return answer
-
+    """Check every host at once (:func:`probe_host`); return each one's answer, or raise
+    ConfigError naming every host that failed and why."""
     failures = []
     answers: dict[str, dict] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        for host, future in [(host, pool.submit(one, host)) for host in hosts]:
+        for host, future in [(host, pool.submit(probe_host, host, ssh, python, program, path)) for host in hosts]:
             try:
                 answers[host.address] = future.result()
             except ConfigError as exc:
@@ -189,9 +193,8 @@ class SshBackend(Backend):
             return None
         if args.hosts is not None and args.hostfile is not None:
             raise ConfigError("give the hosts with -H or with --hostfile, not both")
-        if ElasticOptions.from_args(args) != ElasticOptions():
-            raise ConfigError("elastic jobs (--min-np, --max-np, ...) run on one host; over several hosts, start "
-                              "each role BytePS style with BPS_GOSSIP_ELASTIC=1")
+        if ElasticOptions.from_args(args) != ElasticOptions():  # --reset-limit or --elastic-timeout alone
+            raise ConfigError("--reset-limit and --elastic-timeout need an elastic job: give --min-np and/or --max-np")
         hosts = parse_hosts(args.hosts) if args.hosts is not None else read_hostfile(args.hostfile)
         ssh = SshOptions(args.ssh_port, args.ssh_identity_file, tuple(args.ssh_options))
         return cls(place_workers(hosts, args.num_proc), args.num_servers, args.forward, ssh, args.remote_python, env)

@@ -12,7 +12,6 @@ servers at once; the scheduler with SIGTERM, so that it can remove the job's sec
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import os
 import re
@@ -21,14 +20,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import IO
 
-from .. import placement
 from ..compat import zip_exact
-from ..local_processes import REGISTRATIONS_VAR, STOP_REQUEST, WORKER_REGISTERED, start_ticks
+from ..local_processes import (
+    GENERATION_FORMED,
+    REGISTRATIONS_VAR,
+    STOP_REQUEST,
+    WORKER_REGISTERED,
+    start_ticks,
+)
 from ..transport import shm
 from .diagnosis import NO_WORKER_REGISTERED
+from .sessions import exit_code, start_in_session
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
@@ -36,59 +41,6 @@ REGISTRATION_LAG_SECONDS = 1.0  # the scheduler's report of a registration may t
 _POLL_SECONDS = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SEGMENT_END = re.compile(rb"(\r\n|\r|\n)")  # what ends one piece of a child's output
-_PR_SET_PDEATHSIG = 1
-# Looked up once here: the child between fork and exec should only make the system call.
-_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform.startswith("linux") else None
-
-
-def _dies_with_parent(signum: int, parent: int):  # noqa: ANN202 - a preexec_fn
-    """A preexec_fn: ``signum`` reaches the child when its parent ends (or has ended already)."""
-    def preexec() -> None:
-        _prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(128 + signum)
-    return preexec
-
-
-def start_in_session(argv: list[str], env: Mapping[str, str], parent_death: int | None = None,
-                     **popen: object) -> subprocess.Popen:
-    """Start ``argv`` as the leader of a new session (its own process group), so that
-    :func:`kill_groups` stops it and everything it started, on the CPUs ``env``'s placement names (bps_gossip.placement).
-    ``parent_death``: the signal it gets when this process ends (Linux; only from the main thread, since the kernel
-    sends it when the forking thread ends). ``popen``: Popen's stream arguments."""
-    armed = parent_death is not None and _prctl is not None and threading.current_thread() is threading.main_thread()
-    popen["preexec_fn"] = placement.start_on_cpus(env, _dies_with_parent(parent_death, os.getpid()) if armed else None)
-    return subprocess.Popen(argv, env=dict(env), start_new_session=True, **popen)  # type: ignore[call-overload]
-
-
-def kill_groups(procs: Iterable[subprocess.Popen], grace: float = 0.0, reap: float = 5.0) -> None:
-    """Give ``procs`` up to ``grace`` seconds to exit, then SIGKILL the process group of each one
-    still running (the group of one that exited too: what it started may live on), and wait up
-    to ``reap`` seconds for each. The one way tests, benchmarks and bpslaunch stop what they started."""
-    chosen = list(procs)
-    deadline = time.monotonic() + grace
-    for proc in chosen:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in chosen:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for proc in chosen:
-        try:
-            proc.wait(reap)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def exit_code(returncode: int) -> int:
-    """A shell-style exit status: a child killed by signal N becomes 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 @dataclasses.dataclass
 class Child:
     """One process a Supervisor started: its exit code once it ended, its output's pumps."""
@@ -123,6 +75,7 @@ class Supervisor:
         # (workers of other launchers' too: those of a remote or joining worker count).
         self.watches_registrations = False
         self.registrations = 0
+        self.generations: list[tuple[float, int, int]] = []  # (monotonic time, generation, workers) formed
         self._out_lock = threading.Lock()
         self._old_handlers: dict[int, object] = {}
 
@@ -206,6 +159,9 @@ class Supervisor:
                     if requests and text.startswith(WORKER_REGISTERED.encode()):
                         self._registered(text.decode(errors="replace"))
                         continue
+                    if requests and text.startswith(GENERATION_FORMED.encode()):
+                        self._formed(text.decode(errors="replace"))
+                        continue
                     self._emit(out, sink, prefix, text + end, tail if end != b"\r" else None, log)
             if pending:
                 self._emit(out, sink, prefix, pending + b"\n", tail, log)
@@ -258,6 +214,12 @@ class Supervisor:
         for child in self.children:
             if child.role == "worker" and child.proc.pid == session:
                 child.registered = True
+
+    def _formed(self, line: str) -> None:
+        """The scheduler sent an address book: remember when, which generation and its size."""
+        parts = line.split()
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            self.generations.append((time.monotonic(), int(parts[1]), int(parts[2])))
 
     def none_registered(self) -> bool:
         """True when this bpslaunch's scheduler reports registrations and no worker registered

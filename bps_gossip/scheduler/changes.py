@@ -43,16 +43,18 @@ def address_book(members: Membership, rank: int, restore: bool = False) -> Addre
 class Changes:
     """The scheduler's elastic generations (see the module docstring). ``send`` reaches a member;
     ``end(why, failed)`` ends the job; ``opened()`` runs when a generation opens (barriers and
-    commit checks of the old one are void)."""
+    commit checks of the old one are void); ``formed(generation, workers)`` when its book went out."""
 
     def __init__(self, config: Config, members: Membership, log: logging.Logger, send: Send,
-                 end: Callable[[str, bool], None], opened: Callable[[], None]) -> None:
+                 end: Callable[[str, bool], None], opened: Callable[[], None],
+                 formed: Callable[[int, int], None] = lambda _generation, _workers: None) -> None:
         self.config = config
         self.members = members
         self.log = log
         self.send = send
         self.end = end
         self.opened = opened
+        self.formed = formed
         self.change: Change | None = None  # a change waiting for rejoins
         self.closing: str | None = None  # why the job admits nobody more (a worker finished)
 
@@ -148,6 +150,7 @@ class Changes:
         book = self.members.book()
         self.log.info("generation %d: %d workers (%d joined), %d servers, restore=%s",
                       book["generation"], len(book["workers"]), len(joined), len(book["servers"]), change.restore)
+        self.formed(book["generation"], len(book["workers"]))
 
     def check(self, now: float) -> None:
         """Fail a job whose change has waited past BPS_GOSSIP_ELASTIC_TIMEOUT."""

@@ -14,9 +14,10 @@ from typing import Any, Callable
 
 import zmq
 
+from .. import local_processes as reports  # the lines bpslaunch reads on our stderr
 from ..config import Config, load_config, warn_if_no_secret
 from ..errors import BpsGossipError, ConfigError, ProtocolError
-from ..local_processes import STOP_REQUEST, WORKER_REGISTERED, LocalProcess, raise_open_files_limit
+from ..local_processes import LocalProcess, raise_open_files_limit
 from ..logs import get_logger
 from ..protocol import (
     Barrier,
@@ -89,7 +90,8 @@ class Scheduler:
         self.log.info("listening on %s (others connect to %s)", self.endpoint, config.scheduler_address)
         self.barriers: dict[int, set[bytes]] = {}
         self.commits: dict[int, set[bytes]] = {}
-        self.changes = Changes(config, self.members, self.log, self._send, self._end, self._void_barriers)
+        self.changes = Changes(config, self.members, self.log, self._send, self._end, self._void_barriers,
+                               self._formed)
         self.stalls = StallReports(config, self.members, self.log, self._remove_stuck)
         self.worker_lost: str | None = None  # not elastic: the loss that broke the job
         self.exit_code = 0
@@ -151,7 +153,7 @@ class Scheduler:
             return
         self.log.info("registered %s pid %s on %s", node.role, node.pid, node.host)
         if self.report_registrations and node.role == "worker":
-            print(f"{WORKER_REGISTERED} {node.pid}", file=sys.stderr, flush=True)
+            print(f"{reports.WORKER_REGISTERED} {node.pid}", file=sys.stderr, flush=True)
         if node.state == "joining":
             self.changes.joiner(node)
         elif not self.members.started and self.members.complete():
@@ -161,6 +163,11 @@ class Scheduler:
             book = self.members.book()
             self.log.info("rendezvous complete: generation %d, %d workers, %d servers",
                           book["generation"], len(book["workers"]), len(book["servers"]))
+            self._formed(book["generation"], len(book["workers"]))
+
+    def _formed(self, generation: int, workers: int) -> None:  # an address book went out: tell bpslaunch
+        if self.report_registrations:
+            print(f"{reports.GENERATION_FORMED} {generation} {workers}", file=sys.stderr, flush=True)
 
     def _member(self, handle: MemberHandler, joiners: bool = False) -> Callable[[bytes, Any, list], None]:
         """A table entry for ops only registered members send (a joiner may heart-beat or leave)."""
@@ -291,7 +298,7 @@ class Scheduler:
         refuses it."""
         if self.config.elastic and node.role == "worker" and node.local is not None and node.local.alive():
             self.log.warning("%s is alive but %s: asking its launcher to stop it", node.describe(), why)
-            print(f"{STOP_REQUEST} {node.local.pid} {node.local.ticks}", file=sys.stderr, flush=True)
+            print(f"{reports.STOP_REQUEST} {node.local.pid} {node.local.ticks}", file=sys.stderr, flush=True)
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

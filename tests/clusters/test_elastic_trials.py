@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import elastic_trials  # noqa: E402
 
-from bps_gossip.launch.supervisor import kill_groups  # noqa: E402
+from bps_gossip.launch.sessions import kill_groups  # noqa: E402
 
 # (mode, fault, rank, step): early, mid-epoch, the epoch's last commit, the job's last steps.
 TRIALS = [

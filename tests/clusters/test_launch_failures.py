@@ -23,7 +23,7 @@ from test_launcher import Job, job_command
 
 from bps_gossip.launch.diagnosis import error_line
 from bps_gossip.launch.local import free_port
-from bps_gossip.launch.supervisor import kill_groups, start_in_session
+from bps_gossip.launch.sessions import kill_groups, start_in_session
 
 ALONE = 'print("trained alone", flush=True)\n'
 GLUON_WITHOUT_PLUGIN = job_command("gluon_without_plugin", module="startup_job")

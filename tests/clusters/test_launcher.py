@@ -27,7 +27,7 @@ from cluster import FAST_ENV, JOBS, Cluster, free_port, read_output
 from bps_gossip.config import OWNED_SECRET_VAR
 from bps_gossip.launch import cli, supervisor
 from bps_gossip.launch.local import LOWEST_PORT, ephemeral_ports
-from bps_gossip.launch.supervisor import kill_groups
+from bps_gossip.launch.sessions import kill_groups
 
 pytestmark = pytest.mark.paths  # the newest Python of .ci/pythons runs these too
 

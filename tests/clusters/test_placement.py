@@ -15,7 +15,7 @@ from cluster import FAST_ENV, JOBS, assert_all_ok
 from bps_gossip import placement
 from bps_gossip.config import load_config
 from bps_gossip.errors import ConfigError
-from bps_gossip.launch.supervisor import kill_groups
+from bps_gossip.launch.sessions import kill_groups
 from bps_gossip.placement import Options, format_cpus, plan
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
