@@ -91,6 +91,11 @@ class SshHosts:
             raise
         return self
 
+    def set_link(self, name: str, up: bool) -> None:
+        """Bring ``name``'s link down (a network partition: its processes run on, unheard) or up."""
+        netns.run(["ip", "-n", self.net.hosts[name].namespace, "link", "set", self.net.interface,
+                   "up" if up else "down"])
+
     def restart_sshd(self, name: str) -> None:
         """Start ``name``'s sshd again once it is gone (a test killed the host), and wait for it."""
         try:

@@ -76,6 +76,13 @@ class Job:
         text = "".join(f"{self.hosts.addresses[i]}:1\n" for i in listed) + extra
         self.listing.write_text(text)
 
+    def discovery_does(self, body: str) -> None:
+        """Replace the discovery script (at once: never half-written while it runs)."""
+        new = self.script.with_suffix(".new")
+        new.write_text("#!/bin/sh\n" + body + "\n")
+        new.chmod(0o755)
+        os.replace(new, self.script)
+
     @property
     def out(self) -> str:
         return "\n".join(self.lines)
@@ -167,3 +174,101 @@ def test_a_host_dies_and_another_arrives(hosts, tmp_path):
     nothing_left(hosts)
     print(f"host lost -> training at the new size: {going_on - killed:.1f} s; "
           f"host listed -> training with it: {joined - listed:.1f} s")
+
+
+@pytest.mark.timeout(240)
+def test_a_partitioned_host_comes_back_as_a_joiner(hosts, tmp_path):
+    """Host 3's link goes down for 10 s mid-training: the other two go on without it; its stale
+    worker never writes into the new generation (every final model is bit-identical) and is gone
+    once the link is back; after its cooldown the host is re-admitted with a fresh worker."""
+    job = Job(hosts, tmp_path, [1, 2, 3], ["-np", "3", "--min-np", "1", "--max-np", "3",
+                                           "--blacklist-cooldown-range", "4", "8", *training(22, 0.1)])
+    try:
+        job.wait_for(r"rank 2 of 3: epoch", 90)
+        cut = time.monotonic()
+        hosts.set_link("host3", up=False)
+        try:
+            job.wait_for(r"generation \d+: 2 worker\(s\) training", 20, after=cut)
+            job.wait_for(r"rank \d of 2: epoch", 30, after=cut)  # an epoch without it
+        finally:
+            time.sleep(max(0.0, cut + 10 - time.monotonic()))
+            hosts.set_link("host3", up=True)
+        back = time.monotonic()
+        job.wait_for(rf"starting worker w\d+ on {re.escape(hosts.addresses[3])}", 60, after=back)
+        joined = job.wait_for(r"generation \d+: 3 worker\(s\) training", 60, after=back)
+        code = job.finish(180)
+    finally:
+        job.kill()
+        hosts.set_link("host3", up=True)
+    assert code == 0, job.out
+    results = job.results()
+    assert len(results) == 3, job.out
+    assert len({r["fingerprint"] for _, r in results}) == 1, job.out
+    assert hosts.addresses[3] in {address for address, _ in results}, job.out
+    assert re.search(rf"host {re.escape(hosts.addresses[3])} is blacklisted for \d+ s", job.out), job.out
+    nothing_left(hosts)
+    print(f"link back -> the host training again: {joined - back:.1f} s")
+
+
+@pytest.mark.timeout(180)
+def test_bad_discovery_output_and_an_unreachable_host_do_not_stop_the_job(hosts, tmp_path):
+    """The discovery script exits 1, then prints garbage, then lists a host whose sshd is gone: each
+    is said once, the last good list is kept, the unreachable host is blacklisted; the job finishes."""
+    job = Job(hosts, tmp_path, [1], ["-np", "1", "--min-np", "1", "--max-np", "2", *training(6, 0.06)])
+    try:
+        job.wait_for(r"rank 0 of 1: epoch", 90)
+        job.discovery_does("echo 'cannot reach the cloud API' >&2\nexit 1")
+        job.wait_for(r"host discovery: .* exited with code 1 .*cannot reach the cloud API", 20)
+        job.discovery_does("echo 'this is not a host list!'")
+        job.wait_for(r"host discovery: .*not a host", 20)
+        kill_host(hosts, "host2")  # its sshd too: nothing answers ssh there
+        job.discovery_does(f"cat {job.listing}")
+        job.list_hosts([1, 2])
+        job.wait_for(rf"host {re.escape(hosts.addresses[2])} is blacklisted for good: its check failed", 60)
+        code = job.finish(120)
+    finally:
+        job.kill()
+        hosts.restart_sshd("host2")
+    assert code == 0, job.out
+    assert len(job.results()) == 1, job.out
+    assert job.out.count("exited with code 1") == 1, job.out
+    assert "host discovery works again" in job.out, job.out
+    nothing_left(hosts)
+
+
+@pytest.mark.timeout(150)
+def test_below_min_np_for_too_long_stops_everything(hosts, tmp_path):
+    """--min-np 2 and one of two hosts lost: past --elastic-timeout the job stops with a clear
+    message and a non-zero exit, leaving nothing running on any host."""
+    job = Job(hosts, tmp_path, [1, 2], ["-np", "2", "--min-np", "2", "--elastic-timeout", "4",
+                                        *training(50, 0.1)])
+    try:
+        job.wait_for(r"rank 1 of 2: epoch", 90)
+        kill_host(hosts, "host2")
+        code = job.finish(60)
+    finally:
+        job.kill()
+        hosts.restart_sshd("host2")
+    assert code != 0, job.out
+    assert re.search(r"the scheduler failed the job .*--min-np", job.out), job.out
+    nothing_left(hosts)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["gossip", "auto"])
+def test_the_elastic_example_survives_a_lost_host_in_every_mode(hosts, tmp_path, mode):
+    """examples/train_digits_elastic.py unchanged under the new flags (allreduce: the tests above)."""
+    argv = training(6, 0.05)
+    argv[1] = mode
+    job = Job(hosts, tmp_path, [1, 2], ["-np", "2", "--min-np", "1", *argv])
+    try:
+        job.wait_for(r"rank 1 of 2: epoch", 90)
+        kill_host(hosts, "host2")
+        code = job.finish(120)
+    finally:
+        job.kill()
+        hosts.restart_sshd("host2")
+    assert code == 0, job.out
+    results = job.results()
+    assert len(results) == 1 and results[0][1]["size"] == 1 and results[0][1]["accuracy"] > 0.8, job.out
+    nothing_left(hosts)
