@@ -19,12 +19,14 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..transport import shm
@@ -94,15 +96,49 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+SECRET_PREFIX = "bpsg_secret_remote_"  # then this process's pid: whose file it is
+
+
 def _write_secret(secret: str) -> str:
-    fd, path = tempfile.mkstemp(prefix="bpsg_secret_remote_")  # mode 0600
+    fd, path = tempfile.mkstemp(prefix=f"{SECRET_PREFIX}{os.getpid()}_")  # mode 0600
     with os.fdopen(fd, "w") as file:
         file.write(secret + "\n")
     return path
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_secret_files() -> list[str]:
+    """Remove the secret files of this user's remote ends that were killed before they could
+    (a host that lost power keeps its /tmp until it reboots, or until the next job here); the
+    paths removed."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(SECRET_PREFIX + "*"):
+        pid = path.name[len(SECRET_PREFIX):].split("_", 1)[0]
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if pid.isdigit() and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not _alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except OSError:
+                pass
+    return removed
+
+
 def run(argv: list[str], cwd: str, env: Mapping[str, str], secret: str | None, stdin_fd: int) -> int:
     """Run the job's command here until it exits or ``stdin`` ends; return its exit status."""
+    sweep_secret_files()
     secret_file = None
     child_env = dict(os.environ)
     child_env.update(env)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from cluster import FAST_ENV
 
+from bps_gossip.launch import remote
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits_elastic.py"
 sys.path.insert(0, str(SCRIPTS))
@@ -131,10 +133,15 @@ def kill_host(hosts, name: str) -> None:
 
 
 def nothing_left(hosts, within: float = 15.0) -> None:
+    """No process left on any host, and no job secret in /tmp (the hosts share this machine's: the
+    secret files of the remote ends a test killed are removed as a reboot would, and as the next
+    remote end on that host does)."""
     deadline = time.monotonic() + within
     while True:
         left = {name: hosts.pids(name) for name in hosts.names}
         if not any(left.values()):
+            remote.sweep_secret_files()
+            assert not list(Path("/tmp").glob(remote.SECRET_PREFIX + "*")), "a remote secret file was left behind"
             return
         if time.monotonic() > deadline:
             pytest.fail(f"processes left on the hosts after the job: {left}")

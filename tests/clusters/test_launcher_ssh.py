@@ -220,10 +220,12 @@ def test_forwarded_environment_and_plan():
 def test_launcher_refuses_mixed_options(capsys):
     assert cli.main(["-H", "a:1", "--hostfile", "f", "true"]) == 2
     assert "not both" in capsys.readouterr().err
-    assert cli.main(["-H", "a:1", "--min-np", "1", "true"]) == 2
-    assert "elastic jobs" in capsys.readouterr().err
+    assert cli.main(["-H", "a:1", "--min-np", "1", "true"]) == 2  # elastic over hosts: it starts -np workers
+    assert "an elastic job over several hosts needs -np" in capsys.readouterr().err
+    assert cli.main(["-H", "a:1", "--reset-limit", "1", "true"]) == 2
+    assert "need an elastic job" in capsys.readouterr().err
     assert cli.main(["-x", "A", "-np", "1", "true"]) == 2
-    assert "need -H or --hostfile" in capsys.readouterr().err
+    assert "need -H, --hostfile or --host-discovery-script" in capsys.readouterr().err
 
 
 def _remote(spec: bytes) -> subprocess.Popen:

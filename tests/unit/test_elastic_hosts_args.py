@@ -4,6 +4,7 @@ of a Slurm allocation. The jobs themselves run in tests/clusters/test_elastic_ho
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,23 @@ def test_the_nodes_of_a_slurm_allocation():
     assert isinstance(chosen, ElasticHostsBackend) and len(chosen.discovery.hosts()) == 3
     # one node: a local elastic job, as before
     assert isinstance(backend("-np", "2", "--min-np", "1", env={"SLURM_JOB_NODELIST": "node1"}), LocalBackend)
+
+
+def test_secret_files_of_killed_remote_ends_are_swept(tmp_path, monkeypatch):
+    """A host that lost power keeps the job secret its remote ends wrote; the next remote end there
+    removes the files of remote ends that no longer run (and only those, and only this user's)."""
+    import subprocess
+    import sys
+
+    from bps_gossip.launch import remote
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{remote.SECRET_PREFIX}{gone.pid}_abc"
+    mine = tmp_path / f"{remote.SECRET_PREFIX}{os.getpid()}_def"
+    other = tmp_path / f"{remote.SECRET_PREFIX}notapid_ghi"
+    for path in (dead, mine, other):
+        path.write_text("secret\n")
+    assert remote.sweep_secret_files() == [str(dead)]
+    assert not dead.exists() and mine.exists() and other.exists()
