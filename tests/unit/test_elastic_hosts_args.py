@@ -1,4 +1,4 @@
-"""bpslaunch's command line for elastic jobs across hosts (bps_gossip.launch.elastic_hosts):
+"""The launcher's command line for elastic jobs across hosts (bps_gossip.launch.elastic_hosts):
 which backend claims which flags, the errors for combinations that make no sense, and the hosts
 of a Slurm allocation. The jobs themselves run in tests/clusters/test_elastic_hosts.py."""
 
@@ -87,15 +87,12 @@ def test_the_nodes_of_a_slurm_allocation():
 def test_secret_files_of_killed_remote_ends_are_swept(tmp_path, monkeypatch):
     """A host that lost power keeps the job secret its remote ends wrote; the next remote end there
     removes the files of remote ends that no longer run (and only those, and only this user's)."""
-    import subprocess
-    import sys
-
     from bps_gossip.launch import remote
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead = tmp_path / f"{remote.SECRET_PREFIX}{gone.pid}_abc"
+    gone = os.posix_spawn("/bin/true", ["true"], os.environ)  # a pid that no longer runs
+    os.waitpid(gone, 0)
+    dead = tmp_path / f"{remote.SECRET_PREFIX}{gone}_abc"
     mine = tmp_path / f"{remote.SECRET_PREFIX}{os.getpid()}_def"
     other = tmp_path / f"{remote.SECRET_PREFIX}notapid_ghi"
     for path in (dead, mine, other):
