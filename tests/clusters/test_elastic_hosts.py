@@ -22,6 +22,7 @@ import pytest
 from cluster import FAST_ENV
 
 from bps_gossip.launch import remote
+from bps_gossip.transport import shm
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits_elastic.py"
@@ -142,6 +143,7 @@ def nothing_left(hosts, within: float = 15.0) -> None:
         if not any(left.values()):
             remote.sweep_secret_files()
             assert not list(Path("/tmp").glob(remote.SECRET_PREFIX + "*")), "a remote secret file was left behind"
+            assert not list(Path("/dev/shm").glob(shm.PREFIX + "*")), "shared memory was left behind"
             return
         if time.monotonic() > deadline:
             pytest.fail(f"processes left on the hosts after the job: {left}")
