@@ -22,7 +22,16 @@ from .api import (
     shutdown,
     size,
 )
-from .collectives import broadcast, broadcast_async, poll, push_pull, push_pull_async, synchronize
+from .collectives import (
+    broadcast,
+    broadcast_async,
+    gather_rows,
+    gather_rows_async,
+    poll,
+    push_pull,
+    push_pull_async,
+    synchronize,
+)
 from .config import Config, load_config
 from .errors import (
     BpsGossipError,
@@ -48,7 +57,7 @@ __all__ = [
     "BpsGossipError", "CommTimeoutError", "Config", "ConfigError", "Handle", "HostsUpdatedInterrupt",
     "JobFailedError", "NotInitializedError", "PeerLostError", "ProtocolError", "RanksOutOfStepError",
     "TensorMismatchError", "WorkersChangedError", "barrier", "broadcast", "broadcast_async", "commit_check",
-    "declare", "generation", "init", "is_elastic", "is_initialized", "job_config", "load_config", "local_rank", "local_size",
+    "declare", "gather_rows", "gather_rows_async", "generation", "init", "is_elastic", "is_initialized", "job_config", "load_config", "local_rank", "local_size",
     "plan_servers", "poll", "push_pull", "push_pull_async", "rank", "reset", "server_stats", "shared_buffer", "shutdown",
     "size", "synchronize",
 ]

@@ -1,4 +1,4 @@
-"""push_pull and broadcast: numpy arrays in, numpy arrays out, through the servers.
+"""push_pull, broadcast and gather_rows: numpy arrays in, numpy arrays out, through the servers.
 
 Every collective names its tensor; the name, not the call order, identifies it on every
 rank. Each call builds an :class:`~bps_gossip.worker.operation.Operation` on the caller's
@@ -50,7 +50,8 @@ def _signature(array: np.ndarray, kind: str) -> dict[str, Any]:
 
 
 def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send: np.ndarray,
-            out: np.ndarray, wire: np.dtype, priority: int, finish: Callable[[], None] | None) -> Future:
+            out: np.ndarray, wire: np.dtype, priority: int, finish: Callable[[], None] | None,
+            rows: bool = False) -> Future:
     engine = runtime.engine
     seq = engine.next_seq(name)
     op = Operation(
@@ -58,7 +59,7 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
         send=send, out=out.reshape(-1).view(wire), result=out,
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
-        traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(),
+        traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(), rows=rows,
     )
     engine.servers.stage(op)
     if not engine.push_now(op):  # sent from this thread when it can be (worker.server_links)
@@ -208,3 +209,29 @@ def wait_timeout() -> float:
     """The backstop for waits on futures: the engine itself fails them after BPS_GOSSIP_TIMEOUT."""
     runtime = peek()
     return runtime.wait_timeout() if runtime is not None else 60.0
+
+
+def gather_rows_async(row: np.ndarray, name: str, priority: int = 0) -> Future:
+    """Start gathering every worker's ``row`` (1-d, the same length and dtype on every rank)
+    under ``name``; the future's result is a (size, len(row)) array whose row r is rank r's, the
+    same on every rank. The whole array must fit one partition (BYTEPS_PARTITION_BYTES)."""
+    runtime = current("gather_rows")
+    check_name(name, "gather_rows")
+    row = check_array(row, name, "gather_rows")
+    if row.ndim != 1:
+        raise ValueError(f"gather_rows({name!r}): the row must be 1-d, not of shape {row.shape} "
+                         f"[on rank {runtime.rank}]")
+    if runtime.engine is None:
+        return _local_result(row.reshape(1, -1), None)
+    matrix = np.zeros((runtime.size, row.size), row.dtype)
+    matrix[runtime.rank] = row
+    if matrix.nbytes > runtime.config.partition_bytes:
+        raise ValueError(f"gather_rows({name!r}): {runtime.size} rows of {row.nbytes} bytes are more than one "
+                         f"partition ({runtime.config.partition_bytes} bytes) [on rank {runtime.rank}]")
+    out = np.empty_like(matrix)
+    return _submit(runtime, name, "rows", matrix, matrix.reshape(-1), out, matrix.dtype, priority, None, rows=True)
+
+
+def gather_rows(row: np.ndarray, name: str, priority: int = 0) -> np.ndarray:
+    """Blocking :func:`gather_rows_async`: every rank's ``row``, by rank."""
+    return synchronize(gather_rows_async(row, name, priority))

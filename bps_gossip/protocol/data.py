@@ -126,9 +126,14 @@ class Push(Message):
     shm: str | None = optional_text(256)  # the worker's segment holding the payload
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
     hosted: bool = flag(False)  # a host leader's sum (bps_gossip.host_groups)
+    rows: bool = flag(False)  # one row per worker: the server keeps of a push only its sender's row
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
+        if self.rows:  # bps_gossip.collectives.gather_rows: the whole tensor in one partition, pushed as is
+            self._check(self.codec is None and not self.hosted and self.part == 0 and len(self.shape) == 2
+                        and self.count == self.shape[0] * self.shape[1], "a rows push is one whole 2-d tensor, "
+                        "not compressed, not a host's sum")
         self.__dict__["wire"] = dtype.str  # one spelling per dtype: rounds compare it
         if self.shm is not None and self.offset is None:  # (tests first: every push comes here)
             self._check(False, "a shared-memory push needs an offset")

@@ -59,6 +59,17 @@ class Aggregation:
         self.hosted = False  # pushed by host leaders, one sum per host (bps_gossip.host_groups)
         self.opened_by = -1  # the rank charged for what the server holds for this round, and how much
         self.held = 0
+        self.rows = False  # one row per worker (gather_rows): each push keeps only its sender's row
+        self.row = 0  # elements of one row
+
+    def own_row(self, payload: memoryview | bytes | np.ndarray, rank: int) -> memoryview:
+        """Of a rows push, only the sender's row (the rest zero): what any one sender writes into
+        the others' rows never reaches them."""
+        data = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=self.wire, count=self.count)
+        kept = np.zeros(self.count, dtype=self.wire)
+        span = slice(rank * self.row, (rank + 1) * self.row)
+        kept[span] = data[span]
+        return memoryview(kept)
 
     @property
     def nbytes(self) -> int:

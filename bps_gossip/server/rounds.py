@@ -126,8 +126,11 @@ class Aggregations:
         if agg is None:
             return
         self.names.saw_part(push.key, push.part)
-        if agg.nbytes <= INLINE_BYTES:
-            if agg.add(payload if who.region is not None else payload.buffer):
+        data = payload if who.region is not None else payload.buffer
+        if agg.rows:  # a copy: a region never becomes a rows round's sum (write_back copies it there)
+            data = agg.own_row(data, who.rank)
+        if agg.rows or agg.nbytes <= INLINE_BYTES:
+            if agg.add(data):
                 agg.write_back()
                 self.finish(agg)  # the result doubles as this push's acknowledgement
                 return
@@ -228,7 +231,11 @@ class Aggregations:
                 return None
             agg = Aggregation(rid, push.name, push.signature, push.wire, push.count,
                         len(self.leaders) if push.hosted else self.size, codec[0] if codec is not None else None, merge)
-            agg.hosted = push.hosted
+            agg.hosted, agg.rows, agg.row = push.hosted, push.rows, push.shape[1] if push.rows else 0
+            if push.rows and push.shape[0] != self.size:
+                self._error(who, "mismatch", f"tensor {push.name!r}: gather_rows of {push.shape[0]} rows in a job "
+                                             f"of {self.size} workers (one row each)")
+                return None
             self.rounds.open(rid, agg, who.rank, held)
         elif who.rank in agg.pushes:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
@@ -241,6 +248,8 @@ class Aggregations:
                 self.rounds.pop(rid, None)
             return None
         agg.error = agg.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
+        if agg.error is None and push.rows != agg.rows:  # a sum could write into every row
+            agg.error = f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on gather_rows"
         if agg.error is None and push.hosted != agg.hosted:  # also a non-leader's host sum
             agg.error = (f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on "
                          "reducing by host first (BPS_GOSSIP_HOST_REDUCE, compression)")

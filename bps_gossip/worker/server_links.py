@@ -269,6 +269,8 @@ class ServerLinks(LinkFailures, CallerSends):
             header["codec"] = op.codecs[index]
         if way is Way.HOSTED:
             header["hosted"] = True
+        if op.rows:
+            header["rows"] = True
         self._sent = True
         route = self.hosts.route if target == LEADER else self.routes[server]
         where = op.in_segment(offset)

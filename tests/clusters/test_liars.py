@@ -1,0 +1,22 @@
+"""Members that lie in what the ranks decide together: gather_rows gives every rank each rank's
+own row, whatever one rank writes into the others' (tests/jobs/liars_job.py)."""
+
+from __future__ import annotations
+
+import pytest
+from cluster import assert_all_ok
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("env", [{}, {"BPS_GOSSIP_SHM": "0"}, {"BPS_GOSSIP_HOST_REDUCE": "off"}],
+                         ids=["one-host", "zmq", "shm-to-servers"])
+def test_a_rank_cannot_write_into_another_ranks_row(cluster, env):
+    job = cluster(3, 2, env)
+    done = job.run_job("liars_job", "gather", "3")
+    assert_all_ok(done, job)
+    honest = [[0.0, 0.5], [1.0, 1.5]]
+    for finished in done:
+        for got in finished.result["got"]:
+            assert got[:2] == honest, finished.result  # the liar's 1e9 never reached another's row
+            assert got[2] == [1e9, 1e9], finished.result  # its own row is its own business
+    job.wait_servers_exit()
