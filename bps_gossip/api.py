@@ -19,6 +19,7 @@ from . import runtime as _state
 from .collectives import (  # noqa: F401 - the API's collectives, importable from here too
     broadcast,
     broadcast_async,
+    gather_rows_async,
     poll,
     push_pull,
     push_pull_async,
@@ -257,4 +258,4 @@ def peer_link() -> PeerLink:
     """The peer channel of this worker (internal, for gossip)."""
     runtime = _rt("gossip")
     return PeerLink(runtime.engine, runtime.rank, runtime.size, runtime.config.max_message_bytes,
-                    push_pull_async, runtime.wait_timeout())
+                    push_pull_async, runtime.wait_timeout(), gather_rows_async)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import TensorMismatchError
+from ..gathered import robust_mean, usable_rows
 from .gossipers import PendingRound, PushPull, PushSum, mix_model, move_model
 from .graphs import Graph, make_graph, symmetric_mixing_is_doubly_stochastic
 from .link import Link, default_link
@@ -243,8 +245,12 @@ class GossipAverager:
         routing = self.routing
         if not routing.due(self.rnd, time.monotonic()):
             return
-        summed = self.link.push_pull(routing.measurements(time.monotonic()), f"{self.tag}.route", average=False)
-        if routing.decide(np.asarray(summed, dtype=np.float64), self.rnd, time.monotonic()):
+        try:  # every rank's own measurements: none can speak for another
+            rows = self.link.gather_rows(routing.measurements(time.monotonic()), f"{self.tag}.route")
+        except TensorMismatchError as exc:  # a rank pushed something else: no decision this window, on any rank
+            log.warning("gossip %r at round %d: no routing decision this window: %s", self.tag, self.rnd, exc)
+            return
+        if routing.decide(np.asarray(rows, dtype=np.float64), self.rnd, time.monotonic()):
             log.info("gossip %r at round %d: %s", self.tag, self.rnd, routing.describe())
             if routing.slow and not self.gossiper.track_weight:
                 self._take_x()
@@ -355,8 +361,9 @@ class GossipAverager:
     def average_exactly(self, measure: bool = False) -> float | None:
         """Make every rank hold the exact average (sum of x over sum of w), with w = 1.
 
-        With ``measure``, return how far the ranks were from it: the RMS over ranks and elements
-        of z - average (the same number on every rank; one more push_pull of two numbers)."""
+        With ``measure``, return how far the ranks were from it: the RMS over elements of
+        z - average of the median rank (the same number on every rank, and no one rank's report
+        moves it past the others'; one gather_rows of one number each)."""
         self.drain()
         if self.size == 1:
             return 0.0 if measure else None
@@ -376,8 +383,9 @@ class GossipAverager:
             return None
         squares = sum(float(np.sum(np.square(z - self.x[key], dtype=np.float64))) for key, z in before.items())
         count = sum(value.size for value in self.x.values())
-        mean = self.link.push_pull(np.array([squares / max(count, 1)]), f"{self.tag}.average.drift", average=True)[0]
-        return float(np.sqrt(max(float(mean), 0.0)))
+        rows = self.link.gather_rows(np.array([squares / max(count, 1)]), f"{self.tag}.average.drift")
+        typical = robust_mean(rows, usable_rows(rows, 0.0, np.inf, f"gossip {self.tag!r}'s drift"))[0]
+        return float(np.sqrt(max(float(typical), 0.0)))  # the median rank's: one rank's report cannot move it
 
     def consensus_distance(self) -> float:
         """RMS distance of this rank's z from the average of z over ranks (through the servers)."""

@@ -82,6 +82,9 @@ class HostsLink:
                   out: np.ndarray | None = None) -> np.ndarray:
         raise RuntimeError("gossip by host: the exact collectives go through every worker, not the hosts' link")
 
+    def gather_rows(self, row: np.ndarray, name: str) -> np.ndarray:
+        raise RuntimeError("gossip by host: the exact collectives go through every worker, not the hosts' link")
+
     def timeout(self) -> float:
         return self.link.timeout()
 

@@ -52,6 +52,10 @@ class Link(Protocol):
                   out: np.ndarray | None = None) -> np.ndarray:
         """The exact sum (or mean) of ``array`` over all workers, through the servers (blocking)."""
 
+    def gather_rows(self, row: np.ndarray, name: str) -> np.ndarray:
+        """Every worker's ``row`` by rank, each as its own rank gave it, the same on every rank
+        (bps_gossip.gather_rows: what the ranks decide together; blocking)."""
+
     def timeout(self) -> float:
         """Seconds to wait for an expect() future before giving up (a backstop)."""
 

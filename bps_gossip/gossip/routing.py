@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..gathered import usable_rows
+
 WINDOW = 32  # rounds between two decisions
 FIRST_DECISIONS = (4, 8, 16)  # and before that: a slow rank costs every round until the first one
 MAX_PERIOD = 32  # a slow rank's edges carry a message at least once every this many rounds
@@ -44,6 +46,8 @@ MAX_HISTORY = 1024  # decisions kept (the newest: a network that keeps changing 
 # at 16 workers, its accuracy the worst by 2-5 points).
 SLOW_EDGE_WEIGHT = 3.0
 MIN_MESSAGES = 3  # measured each way before a rank is judged (a slow rank's are gathered across windows)
+MAX_MEASURED = 1e6  # seconds: a rank's summed delays, transits or seconds a round beyond this are no measurement
+MAX_COUNT = 1e9  # messages measured on one edge in a window
 
 
 def rank_scores(delays: np.ndarray, counts: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
@@ -207,36 +211,51 @@ class SlowLinkRouting:
         return rnd in FIRST_DECISIONS or (rnd > 0 and rnd % self.window == 0)
 
     def length(self) -> int:
-        """The measurement vector's length: delays, counts, transits (n x n each), seconds per
-        round and busy seconds per round (n each)."""
-        return 3 * self.size * self.size + 2 * self.size
+        """This rank's row of the window's measurements: its in-edges' delays, counts and
+        transits (what it measured itself, n each), its seconds per round and busy seconds per round."""
+        return 3 * self.size + 2
 
     def measurements(self, now: float) -> np.ndarray:
-        """This rank's part of the window's sum (:meth:`length`)."""
-        n, nn = self.size, self.size * self.size
-        vector = np.zeros(self.length())
-        vector[:nn] = self._delays.reshape(-1)
-        vector[nn:2 * nn] = self._counts.reshape(-1)
-        vector[2 * nn:3 * nn] = self._transits.reshape(-1)
+        """This rank's row (:meth:`length`), for ``gather_rows``: it speaks only for itself."""
+        n, me = self.size, self.rank
+        row = np.zeros(self.length())
+        row[:n], row[n:2 * n], row[2 * n:3 * n] = self._delays[:, me], self._counts[:, me], self._transits[:, me]
         per_round = (now - (self._window_started or now)) / max(self._rounds, 1)
-        vector[3 * nn + self.rank] = per_round
-        vector[3 * nn + n + self.rank] = max(per_round - self._waited / max(self._rounds, 1), 0.0)
-        return vector
+        row[3 * n] = per_round
+        row[3 * n + 1] = max(per_round - self._waited / max(self._rounds, 1), 0.0)
+        return row
 
-    def decide(self, summed: np.ndarray, rnd: int, now: float) -> bool:
-        """Take the decision from the summed measurements of every rank; start a new window.
+    def combine(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's row (``gather_rows``) as (delays, counts, transits, seconds per round,
+        busy seconds per round). A row that is not finite or out of range counts as no
+        measurement (its seconds: the median rank's), with a warning naming its rank."""
+        n = self.size
+        if rows.shape != (n, self.length()):
+            raise ValueError(f"gossip routing: the gathered measurements have shape {rows.shape}, not "
+                             f"{(n, self.length())}")
+        low = np.concatenate([np.zeros(2 * n), np.full(n, -MAX_MEASURED), [0.0, 0.0]])
+        high = np.concatenate([np.full(n, MAX_MEASURED), np.full(n, MAX_COUNT), np.full(n, MAX_MEASURED),
+                               [MAX_MEASURED, MAX_MEASURED]])
+        usable = usable_rows(rows, low, high, "gossip routing's measurements")
+        rows = np.where(usable[:, None], rows, 0.0)
+        seconds = rows[:, 3 * n:]
+        if usable.any():
+            seconds[~usable] = np.median(seconds[usable], axis=0)
+        # column b of each matrix is what rank b measured on its in-edges a -> b
+        delays, counts, transits = (rows[:, part * n:(part + 1) * n].T.copy() for part in range(3))
+        return delays, counts, transits, seconds[:, 0].copy(), seconds[:, 1].copy()
+
+    def decide(self, rows: np.ndarray, rnd: int, now: float) -> bool:
+        """Take the decision from every rank's row (:meth:`combine`); start a new window.
         True when the slow ranks or their periods changed."""
-        n, nn = self.size, self.size * self.size
-        if summed.shape != (self.length(),) or not np.isfinite(summed).all():
-            raise ValueError(f"gossip routing: the summed measurements have shape {summed.shape}, not finite "
-                             f"or not {(self.length(),)}")
-        delays, counts, transits = (summed[part * nn:(part + 1) * nn].reshape(n, n) for part in range(3))
-        chosen = choose_slow(delays, counts, summed[3 * nn:3 * nn + n], self.slow, transits, summed[3 * nn + n:])
+        n = self.size
+        delays, counts, transits, round_seconds, busy = self.combine(rows)
+        chosen = choose_slow(delays, counts, round_seconds, self.slow, transits, busy)
         self.scores = rank_scores(delays, counts)[0]
         self.lateness = {rank: self.scores.get(rank, self.lateness.get(rank, 0.0)) for rank in chosen}
         # A slow rank not judged (too few of its thinned edges' messages): its measurements go on.
         links = link_scores(transits, counts)
-        self.links, self.busy = links, dict(enumerate(float(value) for value in summed[3 * nn + n:]))
+        self.links, self.busy = links, dict(enumerate(float(value) for value in busy))
         carried = [rank for rank in chosen if rank not in self.scores or rank not in links]
         keep = np.zeros((n, n), dtype=bool)
         keep[carried, :] = keep[:, carried] = True

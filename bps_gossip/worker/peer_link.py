@@ -20,7 +20,7 @@ import numpy as np
 
 from ..compat import zip_exact
 from ..errors import NotInitializedError, PeerLostError
-from ..futures import Future, wait
+from ..futures import Future, done_future, wait
 from ..host_groups import host_groups
 from . import commands as cmd
 from .engine import Engine
@@ -60,12 +60,14 @@ class PeerLink:
     """Worker-to-worker messages for gossip, and the exact collectives through the servers."""
 
     def __init__(self, engine: Engine | None, rank: int, size: int, max_bytes: int,
-                 push_pull_async: Callable[..., Future], timeout: float) -> None:
+                 push_pull_async: Callable[..., Future], timeout: float,
+                 gather_rows_async: Callable[..., Future] | None = None) -> None:
         self._engine = engine
         self.rank = rank
         self.size = size
         self.max_bytes = max_bytes
         self._push_pull = push_pull_async
+        self._gather_rows = gather_rows_async or (lambda row, name: done_future(np.array(row).reshape(1, -1)))
         self._timeout = timeout
         # when a blocked wait is told to the peers: a quarter of BPS_GOSSIP_TIMEOUT at most
         self._notice_after = notice_after(engine.config.timeout) if engine is not None else timeout
@@ -91,7 +93,15 @@ class PeerLink:
         """The sum (or mean) of ``array`` over all workers, through the servers (blocking; a wait
         past ``notice_after`` is told to the peers, and fails at once if one is out of step)."""
         seq = self._engine.entered(name) if self._engine is not None else 0
-        handle = self._push_pull(array, name, average=average, out=out)
+        return self._wait(self._push_pull(array, name, average=average, out=out), name, seq)
+
+    def gather_rows(self, row: np.ndarray, name: str) -> np.ndarray:
+        """Every worker's ``row``, by rank, each as its own rank gave it (bps_gossip.gather_rows;
+        blocking, with push_pull's notices)."""
+        seq = self._engine.entered(name) if self._engine is not None else 0
+        return self._wait(self._gather_rows(row, name), name, seq)
+
+    def _wait(self, handle: Future, name: str, seq: int) -> np.ndarray:
         began = time.monotonic()
         try:
             return handle.result(self._notice_after)

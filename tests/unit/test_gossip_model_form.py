@@ -71,7 +71,8 @@ def run(nets, old, new, memory, steps, every, rtol, flush_at=(), exact_at=()):
                 net.deliver()
             drift = [run_ranks(len(forms), lambda rank, forms=forms: forms[rank].average_exactly(measure=True))
                      for forms in (old, new)]
-            np.testing.assert_allclose(drift[1], drift[0], rtol=1e-6)
+            # the median rank's drift (no mean over ranks to smooth float32 rounding): a few float32 ulps
+            np.testing.assert_allclose(drift[1], drift[0], rtol=1e-5)
         compare(old, new, memory, rtol)
     for net in nets:
         net.deliver()

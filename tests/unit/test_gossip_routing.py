@@ -124,14 +124,29 @@ def _at(routing: SlowLinkRouting, rank: int) -> SlowLinkRouting:
     return other
 
 
-def test_bad_measurements_are_refused():
+def rows_of(delays: np.ndarray, counts: np.ndarray, transits: np.ndarray, round_seconds: np.ndarray,
+            busy: np.ndarray) -> np.ndarray:
+    """What gather_rows gives routing.decide: rank b's row holds what it measured on its
+    in-edges (column b of each matrix) and its own seconds."""
+    return np.concatenate([delays.T, counts.T, transits.T, round_seconds[:, None], busy[:, None]], axis=1)
+
+
+def test_bad_measurements_are_left_out_never_raised(caplog):
+    """A gathered array of the wrong shape is a programming error; one rank's NaN, inf or
+    negative count is its own row dropped with a warning that names it, in every rank's step
+    alike (issue 37: one NaN used to raise in every rank's step)."""
     routing = SlowLinkRouting(4, 0)
-    with pytest.raises(ValueError, match="summed measurements"):
-        routing.decide(np.zeros(3), 32, 0.0)
-    bad = np.zeros(3 * 16 + 2 * 4)
-    bad[0] = np.nan
-    with pytest.raises(ValueError, match="not finite"):
-        routing.decide(bad, 32, 0.0)
+    with pytest.raises(ValueError, match="gathered measurements"):
+        routing.decide(np.zeros((4, 3)), 32, 0.0)
+    delays, counts = measured(4, {})
+    rows = rows_of(delays, counts, delays, np.full(4, 0.01), np.full(4, 0.01))
+    for bad in (np.nan, np.inf, -5.0):
+        rows[1, 4 + 2] = bad  # rank 1's count of messages from rank 2
+        with caplog.at_level("WARNING", logger="bps_gossip"):
+            routing.decide(rows, 32, 0.0)
+        assert "ranks [1] reported values that are not finite or out of range" in caplog.text
+        caplog.clear()
+    assert routing.slow == {}
 
 
 def slow_job(n: int, slow: int, seed: int) -> tuple[FakeNetwork, list[np.ndarray], list[GossipAverager]]:
@@ -223,9 +238,7 @@ def test_a_slow_rank_with_too_few_messages_is_kept_and_its_measurements_go_on():
     delays[2, :] = counts[2, :] = 0
     delays[2, 0], counts[2, 0] = 0.3, 1
     n = 4
-    summed = np.concatenate([delays.reshape(-1), counts.reshape(-1), delays.reshape(-1), np.full(n, 0.01),
-                             np.full(n, 0.01)])
-    assert not routing.decide(summed, 32, 1.0)  # kept as it was
+    assert not routing.decide(rows_of(delays, counts, delays, np.full(n, 0.01), np.full(n, 0.01)), 32, 1.0)  # kept
     assert routing.slow == {2: 8} and 2 not in routing.scores
     assert routing.messages(2, 0) == 1 and routing.messages(1, 0) == 0  # carried; the rest starts again
     assert MIN_MESSAGES > 1
