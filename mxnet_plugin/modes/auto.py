@@ -33,6 +33,7 @@ import mxnet as mx
 import numpy as np
 
 import bps_gossip as core
+from bps_gossip.gathered import robust_mean, usable_rows
 
 from ..ops import to_device, to_host
 from ..overlap import wait_all
@@ -43,7 +44,26 @@ from .gossip import GossipMode
 
 log = logging.getLogger("bps_gossip.worker")  # the worker's handler and BYTEPS_LOG_LEVEL
 MAX_HISTORY = 1024  # decisions kept for mode_history (the newest)
-WINDOW_KEY = "auto_mode_window"  # the push_pull of each window's measurements
+WINDOW_KEY = "auto_mode_window"  # the gather_rows of each window's measurements
+MAX_SECONDS = 1e6  # a window's seconds past this are no rank's measurement
+# A window's measurements, by column: seconds a step, routing changed (0/1), the slowest rank's
+# lateness, the last exact average's seconds, the learning rate, the mean loss, whether the loss
+# is known (0/1), allreduce's estimated seconds a step; what an honest rank can send.
+WINDOW_LOW = np.array([0.0, 0.0, 0.0, 0.0, 0.0, -np.inf, 0.0, 0.0])
+WINDOW_HIGH = np.array([MAX_SECONDS, 1.0, MAX_SECONDS, MAX_SECONDS, np.inf, np.inf, 1.0, MAX_SECONDS])
+
+
+def combine_windows(rows: np.ndarray) -> np.ndarray | None:
+    """Every rank's window measurements (a row each) as one row: per column the median of the
+    rows that are finite and in range (a minority's lies cannot move it past the honest ranks'
+    numbers; the rest are left out with a warning naming their ranks); the loss counts as known
+    only if every usable rank gave one. None when no row is usable."""
+    usable = usable_rows(rows, WINDOW_LOW, WINDOW_HIGH, "mode='auto''s window measurements")
+    if not usable.any():
+        return None
+    mean = robust_mean(rows, usable)
+    mean[6] = rows[usable, 6].min()
+    return mean
 
 
 def _state_arrays(state: Any) -> list[mx.nd.NDArray]:
@@ -223,15 +243,15 @@ class AutoMode(TrainerMode):
             if self.pending is not None:  # a window decided on late: the newer numbers decide instead
                 core.synchronize(self.pending[0])
                 self.pending = None
-            mean = core.push_pull(measured, name=WINDOW_KEY, average=True)  # the same numbers on every rank
-            self._switch(self._decide(self.active.name, mean, self.windows))
+            rows = core.gather_rows(measured, name=WINDOW_KEY)  # every rank's own numbers, the same everywhere
+            self._switch(self._decide(self.active.name, rows, self.windows))
             return
         previous, self.pending = self.pending, None
         decision = None
         if previous is not None:  # taken before the next push_pull of the key starts
             future, _, windows = previous
             decision = self._decide("gossip", core.synchronize(future), windows)
-        future = core.push_pull_async(measured, name=WINDOW_KEY, average=True)
+        future = core.gather_rows_async(measured, name=WINDOW_KEY)
         if decision is not None and decision.mode != "gossip":
             core.synchronize(future)  # a switch waits for every rank anyway; this window's numbers are of the mode left
             self._switch(decision)
@@ -242,9 +262,13 @@ class AutoMode(TrainerMode):
         else:
             self._switch(decision)
 
-    def _decide(self, mode: str, mean: np.ndarray, windows: int) -> Decision:
-        """The policy's decision on a window's measurements (averaged over ranks); where their mean is
-        one no honest rank sends (negative, not finite: a rank lied), ``mode`` goes on, on every rank."""
+    def _decide(self, mode: str, rows: np.ndarray, windows: int) -> Decision:
+        """The policy's decision on a window's measurements, every rank's row: combined by
+        :func:`combine_windows`; where no rank's are usable, or the policy refuses them, ``mode``
+        goes on, on every rank (they all hold the same rows)."""
+        mean = combine_windows(rows)
+        if mean is None:
+            return Decision(mode, f"{mode} goes on: no rank's window measurements are usable")
         try:
             return self.policy.decide(self._window(mode, mean, windows))
         except ValueError as error:
@@ -294,7 +318,10 @@ class AutoMode(TrainerMode):
             moved = float(np.sqrt(squares / max(1, sum(value.size for value in model.values()))))
         self.last_average, self.average_seconds = model, time.perf_counter() - start
         drifted = self.policy.drifted
-        why = self.policy.record_average(float(drift or 0.0), moved)
+        try:
+            why = self.policy.record_average(float(drift or 0.0), moved)
+        except ValueError as error:  # the same on every rank: they measured the same numbers
+            why = f"an exact average whose measure is not usable ({error})"
         self.history.append((step, "gossip", why))
         level = logging.INFO if drifted != self.policy.drifted or moved is None else logging.DEBUG
         log.log(level, "mode='auto' at step %d: gossip (%s)", step, why)

@@ -100,7 +100,8 @@ def test_the_loss_forms_step_takes():
 @pytest.mark.timeout(240)
 def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster):
     """resnet18_v1 hybridized, 2 workers, windows of 3 steps, gossip throughout; from step 9 one rank
-    sends a negative number (a lie): the windows then go undecided, gossip goes on, nothing stops."""
+    sends a negative number (a lie): its rows are left out, with a warning naming it, and the windows
+    are decided on the other rank's numbers alone; nothing stops (issue 37: they went undecided)."""
     job = cluster(2, env={"BPS_GOSSIP_AUTO_WINDOW": "3"})
     done = job.run_job("auto_plateau_job", "train", "resnet18_v1", "15", "False", "True",
                        timeout=220)  # model, steps, plateau, hybridize
@@ -113,11 +114,12 @@ def test_the_policy_sees_each_windows_loss_averaged_over_steps_and_ranks(cluster
         assert result["sent"][0][1] == 1.0 and result["sent"][1][1] == 1.0
         assert result["sent"][0][0] == pytest.approx(sum(result["losses"][3:6]) / 3, rel=1e-5)
         assert result["sent"][1][0] == pytest.approx(sum(result["losses"][6:9]) / 3, rel=1e-5)
-    unusable = [(step, why) for step, _, why in results[0]["history"] if "not usable" in why]
-    assert unusable and unusable[0][1] == ("gossip goes on: the window's measurements are not usable "
-                                           "(average_seconds=-0.5 must be finite and >= 0)"), results[0]["history"]
+    assert not [why for _, _, why in results[0]["history"] if "not usable" in why], results[0]["history"]
+    assert all("ranks [1] reported values that are not finite or out of range" in f.stderr for f in done)
     for index, loss in enumerate(results[0]["seen"]):  # decided on in order: no switch, none dropped
-        assert loss == pytest.approx((results[0]["sent"][index][0] + results[1]["sent"][index][0]) / 2, rel=1e-9)
+        both = (results[0]["sent"][index][0] + results[1]["sent"][index][0]) / 2  # the median of two
+        honest = results[0]["sent"][index][0]  # from the window ended at step 9 (the lie): rank 1 left out
+        assert loss == pytest.approx(both if index < 1 else honest, rel=1e-9), (index, results)
 
 
 @pytest.mark.timeout(240)
