@@ -13,8 +13,6 @@ silent hang.
 
 from __future__ import annotations
 
-import collections
-import time
 from typing import Any, Callable, Tuple
 
 import numpy as np
@@ -28,12 +26,11 @@ from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments
 from ..transport.sockets import server_frame_limit
 from .aggregation import Aggregation, Contribution, RoundId
+from .early_pushes import EarlyPushes
 from .holdings import AggregationTable, TensorNames
 from .pool import SumPool
 
 MAX_ATTACHED = 4096  # segments mapped at once; the oldest are unmapped past this
-MAX_EARLY_PUSHES = 16384  # pushes held until this server has the address book they belong to
-MAX_EARLY_BYTES = 512 << 20
 # Summed on the I/O thread up to this size (every push of at most SMALL_PUSH_BYTES, which the
 # workers send without asking for an acknowledgement): a hop to the pool and back costs more
 # (8 workers pushing 512 KiB partitions to 4 servers: the servers' CPU 28-29 -> 22-23 ms a step,
@@ -41,7 +38,6 @@ MAX_EARLY_BYTES = 512 << 20
 INLINE_BYTES = 1024 * 1024
 
 Reply = Callable[[Contribution, Message, Tuple[Any, ...]], None]
-Held = Tuple[float, bytes, Push, list, int]  # (since, route, push, frames, bytes held: header and payload)
 
 
 class Aggregations:
@@ -65,8 +61,7 @@ class Aggregations:
         self.pids: list[int] = []  # by rank: a worker's shared-memory segments carry its pid
         self.leaders: frozenset[int] = frozenset()  # ranks that push their host's sum (bps_gossip.host_groups)
         self.book_generation = 0  # the generation of the last address book
-        self.early: collections.deque[Held] = collections.deque()
-        self.early_bytes = 0
+        self.early = EarlyPushes()  # pushes for a generation whose book has not come yet
         self.generation = 0  # elastic: rounds of older generations are failed and dropped
         self.frame_limit = server_frame_limit(config)
 
@@ -83,8 +78,7 @@ class Aggregations:
             self.leaders = frozenset(group[0] for group in groups)
         self.book_generation = book.generation
         self.new_generation(book.generation, "a new generation began")
-        early, self.early, self.early_bytes = self.early, collections.deque(), 0
-        for _, route, push, frames, _ in early:
+        for _, route, push, frames, _ in self.early.take_all():
             self.on_push(route, push, frames)
 
     def new_generation(self, generation: int, why: str) -> None:
@@ -149,13 +143,14 @@ class Aggregations:
     def _hold(self, route: bytes, push: Push, frames: list) -> None:
         """Keep a push until the address book of its generation arrives (bounded)."""
         nbytes = held_bytes(push) + sum(len(frame) for frame in frames)  # headers too: they can be most of it
-        if len(self.early) >= MAX_EARLY_PUSHES or self.early_bytes + nbytes > MAX_EARLY_BYTES:
+        member = route in self.ranks
+        why = self.early.refusal(route, nbytes, member)
+        if why is not None:
             self._error(Contribution(-1, route, push.req), "protocol",
-                        f"server {self.addr} holds {len(self.early)} pushes ({self.early_bytes} bytes) for "
-                        f"generations whose address book it has not received; generation {push.gen} push dropped")
+                        f"server {self.addr} holds pushes for generations whose address book it has not "
+                        f"received: {why}; generation {push.gen} push dropped")
             return
-        self.early.append((time.monotonic(), route, push, frames, nbytes))
-        self.early_bytes += nbytes
+        self.early.hold(route, push, frames, nbytes, member)
 
     def _check(self, route: bytes, push: Push, frames: list) -> tuple[Contribution, Any, Any] | None:
         """Who pushed, its payload and codec; None (the sender told why) for a push to refuse."""
@@ -309,9 +304,7 @@ class Aggregations:
     def expire(self, now: float) -> list[Stalled]:
         """Fail what waited past BPS_GOSSIP_TIMEOUT; return the stalls to report (elastic)."""
         timeout = self.config.timeout
-        while self.early and now - self.early[0][0] > timeout:
-            _, route, push, _, nbytes = self.early.popleft()
-            self.early_bytes -= nbytes
+        for _, route, push, _, _ in self.early.expired(now, timeout, self.ranks):
             self._error(Contribution(-1, route, push.req), "timeout",
                         f"server {self.addr}: no address book of generation {push.gen} within "
                         f"{timeout:.1f} s (BPS_GOSSIP_TIMEOUT)")

@@ -105,19 +105,75 @@ def test_early_pushes_count_their_headers(rig, monkeypatch):
     """Header-only pushes for a generation this server has no book of yet: what holding them
     costs is bounded by their headers too, not only their payloads (a stranger with the secret
     held 16,384 of them with 2 KiB of text each)."""
-    import bps_gossip.server.rounds as module
+    import bps_gossip.server.early_pushes as module
 
-    monkeypatch.setattr(module, "MAX_EARLY_BYTES", 64 * 1024)
+    monkeypatch.setattr(module, "MAX_BYTES_PER_SENDER", 64 * 1024)
     rounds, _, replies = rig
     empty = np.ones(0, np.float32)
     for seq in range(100):
         route, msg, frames = push(0, empty, seq=seq, gen=2, name="n" * 1024)
         rounds.on_push(route, dataclasses.replace(msg, kind="k" * 1024), frames)
     held = len(rounds.early)
-    assert 0 < held < 20 and rounds.early_bytes <= 64 * 1024, (held, rounds.early_bytes)
+    assert 0 < held < 20 and rounds.early.bytes <= 64 * 1024, (held, rounds.early.bytes)
     assert len(replies) == 100 - held and all("holds" in msg.why for _, msg, _ in replies)
-    rounds.expire(rounds.early[0][0] + rounds.config.timeout + 1)  # what expires gives its bytes back
-    assert not rounds.early and rounds.early_bytes == 0
+    rounds.expire(rounds.early.held[0][0] + rounds.config.timeout + 1)  # what expires gives its bytes back
+    assert not rounds.early and rounds.early.bytes == 0 and not rounds.early.by_sender
+
+
+def test_no_sender_crowds_out_the_early_pushes_of_members(rig, monkeypatch):
+    """Issue 37: any holder of the secret could fill the one list of early pushes, and members'
+    early pushes during an elastic change were refused. Now a stranger (in no book) holds at most
+    its own share, strangers together at most half; a member's early push is still held."""
+    import bps_gossip.server.early_pushes as module
+
+    monkeypatch.setattr(module, "MAX_PUSHES", 64)
+    monkeypatch.setattr(module, "MAX_PER_SENDER", 16)
+    rounds, _, replies = rig
+    rounds.take_book(book(2))
+    one = np.ones(1, np.float32)
+    for stranger in range(6):  # six connections of one secret holder, each with a key of its own
+        for seq in range(20):
+            _, msg, frames = push(0, one, seq=seq, gen=2)
+            rounds.on_push(bytes([100 + stranger]) * 8, msg, frames)
+    assert len(rounds.early) == 32 and rounds.early.strangers[0] == 32  # half of 64; 16 each at most
+    refused = [msg.why for _, msg, _ in replies]
+    assert len(refused) == 120 - 32 and any("this sender holds 16" in why for why in refused) \
+        and any("senders in no address book hold 32" in why for why in refused)
+    replies.clear()
+    for rank in (0, 1):  # the members' pushes of the next generation: held
+        rounds.on_push(*push(rank, one, gen=2))
+    assert not replies and len(rounds.early) == 34
+    rounds.take_book(book(2, generation=2))
+    results = [msg for _, msg, _ in replies if isinstance(msg, Result)]
+    assert len(results) == 2  # the members' round completed; the strangers are no workers of it
+    assert not rounds.early and rounds.early.bytes == 0 and rounds.early.strangers == [0, 0]
+
+
+def test_a_rows_round_keeps_of_each_push_only_its_senders_row(rig):
+    """gather_rows on the server: a rank that fills every row reaches only its own."""
+    rounds, _, replies = rig
+    rounds.take_book(book(3))
+    for rank in range(3):
+        matrix = np.full((3, 2), 1e9) if rank == 2 else np.zeros((3, 2))
+        matrix[rank] = [rank, rank + 0.5]
+        route, msg, frames = push(rank, matrix, rows=True)
+        rounds.on_push(route, dataclasses.replace(msg, kind="rows"), frames)
+    results = [payloads[0] for _, msg, payloads in replies if isinstance(msg, Result)]
+    assert len(results) == 3
+    for payload in results:
+        got = np.frombuffer(payload, np.float64).reshape(3, 2)
+        assert got.tolist() == [[0, 0.5], [1, 1.5], [2, 2.5]]
+
+
+def test_a_push_that_is_no_rows_push_fails_a_rows_round(rig):
+    """Else a sum could write into every row: the round fails, for every rank, with why."""
+    rounds, _, replies = rig
+    rounds.take_book(book(2))
+    route, msg, frames = push(0, np.zeros((2, 2)), rows=True)
+    rounds.on_push(route, msg, frames)
+    rounds.on_push(*push(1, np.full((2, 2), 7.0)))
+    errors = [msg for _, msg, _ in replies if isinstance(msg, Error)]
+    assert len(errors) == 2 and all("disagree on gather_rows" in msg.why for msg in errors)
 
 
 def test_rounds_one_rank_opens_are_bounded_and_given_back(rig, monkeypatch):
