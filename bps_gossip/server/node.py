@@ -92,7 +92,7 @@ class Server:
     # -- replies ------------------------------------------------------------------
     def _reply(self, who: Contribution, msg: Message, payloads: tuple = ()) -> None:
         try:
-            self.outbox.send(who.route, msg, payloads, f"rank {who.rank}")
+            self.outbox.send(who.route, msg, payloads, f"rank {who.rank}", member=who.route in self.rounds.ranks)
         except zmq.ZMQError as exc:
             self.log.warning("reply to rank %d failed: %s", who.rank, exc)
 

@@ -10,12 +10,19 @@ send past it is dropped here and counted, never blocks the server), and result p
 ZeroMQ has not handed to the kernel yet are counted in bytes per connection (a tracker per
 payload of TRACKED_BYTES or more); past ``max_bytes``, a result is replaced by an error that
 says why, so the worker's operation fails with a reason instead of timing out.
+
+A connection whose key is in no address book of this server (a stranger that holds the secret,
+or a worker removed from the job) is no member anyone waits on: it gets at most STRANGER_REPLIES
+replies every STRANGER_SECONDS, the rest dropped. ZeroMQ's own mark let each such connection
+queue 131,072 replies (about 18 MiB of errors for one that reads nothing), and nothing bounded
+how many such connections a holder of the secret opens.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -25,6 +32,9 @@ from ..protocol.data import SMALL_PUSH_BYTES
 from ..transport.receive import DropLog
 from ..transport.sockets import MAX_QUEUED_REPLIES
 
+STRANGER_REPLIES = 16  # replies a connection in no book gets every STRANGER_SECONDS
+STRANGER_SECONDS = 10.0
+MAX_STRANGERS = 4096  # connections in no book whose replies are counted (the oldest window is forgotten)
 MAX_QUEUED_REPLY_BYTES = 4 << 30  # result payloads queued for one connection (as a rank's open rounds)
 TRACKED_BYTES = SMALL_PUSH_BYTES  # smaller payloads are bounded by the message count alone
 
@@ -40,10 +50,16 @@ class Outbox:
         self.full = DropLog(log, "reply", verb="dropped a")
         self.dropped = 0  # replies a full queue refused
         self.refused = 0  # results replaced by an error (too many bytes queued)
+        self.strangers: dict[bytes, tuple[float, int]] = {}  # route in no book -> (window start, replies in it)
+        self.unanswered = 0  # replies to strangers dropped
 
-    def send(self, route: bytes, msg: Message, payloads: tuple = (), who: str = "") -> bool:
-        """Send ``msg`` with ``payloads`` to ``route`` (``who`` names it in log lines); False if it
-        was dropped (the peer's queue is full, or the peer is gone)."""
+    def send(self, route: bytes, msg: Message, payloads: tuple = (), who: str = "", member: bool = True) -> bool:
+        """Send ``msg`` with ``payloads`` to ``route`` (``who`` names it in log lines; ``member``:
+        the route is in this server's address book); False if it was dropped (the peer's queue is
+        full, the peer is gone, or a stranger had its share)."""
+        if not member and not self._stranger_may_get(route):
+            self.unanswered += 1
+            return False
         nbytes = sum(memoryview(payload).nbytes for payload in payloads)
         tracked = nbytes >= TRACKED_BYTES
         if tracked and self.held(route) + nbytes > self.max_bytes:
@@ -68,6 +84,18 @@ class Outbox:
             self.pending_bytes[route] += nbytes
         return True
 
+    def _stranger_may_get(self, route: bytes) -> bool:
+        now = time.monotonic()
+        start, count = self.strangers.get(route, (now, 0))
+        if now - start > STRANGER_SECONDS:
+            start, count = now, 0
+        if count >= STRANGER_REPLIES:
+            return False
+        if route not in self.strangers and len(self.strangers) >= MAX_STRANGERS:
+            self.strangers.pop(next(iter(self.strangers)))  # the oldest first seen
+        self.strangers[route] = (start, count + 1)
+        return True
+
     def held(self, route: bytes) -> int:
         """Bytes of payloads queued for ``route`` that ZeroMQ has not sent yet."""
         queue = self.pending.get(route)
@@ -81,3 +109,5 @@ class Outbox:
         """Forget the payloads ZeroMQ has sent (call now and then: routes that get no new reply)."""
         for route in list(self.pending):
             self.held(route)
+        now = time.monotonic()
+        self.strangers = {route: seen for route, seen in self.strangers.items() if now - seen[0] <= STRANGER_SECONDS}

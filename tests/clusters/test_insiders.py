@@ -395,6 +395,40 @@ def test_a_server_queues_a_bounded_number_of_replies_to_a_member_that_reads_none
 
 
 @pytest.mark.timeout(60)
+def test_a_connection_in_no_book_gets_a_few_replies_only(monkeypatch):
+    """Issue 37, item 3: 16 connections of one secret holder, each with a key of its own and in no
+    address book, pushed 135,000 times each and read nothing: every one had a member's queue of
+    replies (about 18 MiB of errors each). A stranger now gets STRANGER_REPLIES replies every
+    STRANGER_SECONDS; the rest are dropped and counted; members are not affected."""
+    import logging
+
+    import bps_gossip.server.outbox as outbox_module
+    from bps_gossip.config import Config
+    from bps_gossip.protocol import Ack
+    from bps_gossip.server.outbox import STRANGER_REPLIES, Outbox
+    from bps_gossip.transport import bind_random_port
+    from bps_gossip.transport.sockets import SocketRole, open_socket
+
+    monkeypatch.setattr(outbox_module, "STRANGER_SECONDS", 0.5)
+    ctx = zmq.Context()
+    server = open_socket(ctx, SocketRole.SERVER, Config())
+    address = bind_random_port(server, "127.0.0.1")
+    reader = _idle_reader(ctx, server, address)
+    try:
+        outbox = Outbox(server, logging.getLogger("test"))
+        sent = [outbox.send(b"idle", Ack(req=index), (), "a stranger", member=False) for index in range(1000)]
+        assert sent.count(True) == STRANGER_REPLIES and outbox.unanswered == 1000 - STRANGER_REPLIES
+        assert all(outbox.send(b"idle", Ack(req=index), (), "a member") for index in range(100))  # unchanged
+        time.sleep(0.6)
+        outbox.prune()
+        assert outbox.send(b"idle", Ack(req=1), (), "a stranger", member=False)  # the next window's share
+    finally:
+        reader.close(linger=0)
+        server.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
 def test_a_server_holds_a_bounded_number_of_result_bytes_for_a_member_that_reads_none():
     """Issue 22, item 4: a result's payload (the round's sum) queued for a member that does not
     read stays in the server's memory. Past the bound (lowered here to 8 MiB), a result becomes
