@@ -197,7 +197,7 @@ def test_a_partitioned_host_comes_back_as_a_joiner(hosts, tmp_path):
         cut = time.monotonic()
         hosts.set_link("host3", up=False)
         try:
-            job.wait_for(r"generation \d+: 2 worker\(s\) training", 20, after=cut)
+            went_on = job.wait_for(r"generation \d+: 2 worker\(s\) training", 20, after=cut)
             job.wait_for(r"rank \d of 2: epoch", 30, after=cut)  # an epoch without it
         finally:
             time.sleep(max(0.0, cut + 10 - time.monotonic()))
@@ -216,7 +216,8 @@ def test_a_partitioned_host_comes_back_as_a_joiner(hosts, tmp_path):
     assert hosts.addresses[3] in {address for address, _ in results}, job.out
     assert re.search(rf"host {re.escape(hosts.addresses[3])} is blacklisted for \d+ s", job.out), job.out
     nothing_left(hosts)
-    print(f"link back -> the host training again: {joined - back:.1f} s")
+    print(f"link cut -> the rest training at the new size: {went_on - cut:.1f} s; "
+          f"link back -> the host training again: {joined - back:.1f} s")
 
 
 @pytest.mark.timeout(180)
