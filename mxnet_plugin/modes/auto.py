@@ -53,6 +53,16 @@ WINDOW_LOW = np.array([0.0, 0.0, 0.0, 0.0, 0.0, -np.inf, 0.0, 0.0])
 WINDOW_HIGH = np.array([MAX_SECONDS, 1.0, MAX_SECONDS, MAX_SECONDS, np.inf, np.inf, 1.0, MAX_SECONDS])
 
 
+def _gathered(future: Any) -> np.ndarray | None:
+    """A window's gathered rows; None (with a warning) when a rank pushed something else under its
+    name: the round failed alike on every rank, and no rank's step raises for it."""
+    try:
+        return core.synchronize(future)
+    except core.TensorMismatchError as error:
+        log.warning("mode='auto': a window's measurements could not be gathered: %s", error)
+        return None
+
+
 def combine_windows(rows: np.ndarray) -> np.ndarray | None:
     """Every rank's window measurements (a row each) as one row: per column the median of the
     rows that are finite and in range (a minority's lies cannot move it past the honest ranks'
@@ -241,19 +251,19 @@ class AutoMode(TrainerMode):
                              self._allreduce_estimate()], np.float64)
         if self.active.name != "gossip" or not slow:
             if self.pending is not None:  # a window decided on late: the newer numbers decide instead
-                core.synchronize(self.pending[0])
+                _gathered(self.pending[0])
                 self.pending = None
-            rows = core.gather_rows(measured, name=WINDOW_KEY)  # every rank's own numbers, the same everywhere
+            rows = _gathered(core.gather_rows_async(measured, name=WINDOW_KEY))  # every rank's own numbers
             self._switch(self._decide(self.active.name, rows, self.windows))
             return
         previous, self.pending = self.pending, None
         decision = None
         if previous is not None:  # taken before the next push_pull of the key starts
             future, _, windows = previous
-            decision = self._decide("gossip", core.synchronize(future), windows)
+            decision = self._decide("gossip", _gathered(future), windows)
         future = core.gather_rows_async(measured, name=WINDOW_KEY)
         if decision is not None and decision.mode != "gossip":
-            core.synchronize(future)  # a switch waits for every rank anyway; this window's numbers are of the mode left
+            _gathered(future)  # a switch waits for every rank anyway; this window's numbers are of the mode left
             self._switch(decision)
             return
         self.pending = (future, measured, self.windows)
@@ -262,11 +272,11 @@ class AutoMode(TrainerMode):
         else:
             self._switch(decision)
 
-    def _decide(self, mode: str, rows: np.ndarray, windows: int) -> Decision:
+    def _decide(self, mode: str, rows: np.ndarray | None, windows: int) -> Decision:
         """The policy's decision on a window's measurements, every rank's row: combined by
         :func:`combine_windows`; where no rank's are usable, or the policy refuses them, ``mode``
         goes on, on every rank (they all hold the same rows)."""
-        mean = combine_windows(rows)
+        mean = None if rows is None else combine_windows(rows)
         if mean is None:
             return Decision(mode, f"{mode} goes on: no rank's window measurements are usable")
         try:
