@@ -75,7 +75,10 @@ def interrupt_summary(value: BaseException, tb: TracebackType | None, where: str
     the traceback``."""
     frames = traceback.extract_tb(tb)
     mine = [f for f in frames if os.path.realpath(f.filename).startswith(_OURS)]
-    users = [f for f in frames if f not in mine and not os.path.realpath(f.filename).startswith(_LIBRARIES)]
+    # A compiled extension's frame names the file it was built from, relative and absent here
+    # (pyzmq's "zmq/backend/cython/_zmq.py"): a library's, not the user's.
+    users = [f for f in frames if f not in mine and not os.path.realpath(f.filename).startswith(_LIBRARIES)
+             and (f.filename.startswith("<") or os.path.isfile(f.filename))]
     # "<string>": code made by exec, as MXNet's operators are (or a `python -c` script: the outermost)
     user = ([f for f in users if not f.filename.startswith("<")] or users[:1] or [None])[-1]
     text = f"KeyboardInterrupt{f' ({value})' if str(value) else ''} on {where}"
