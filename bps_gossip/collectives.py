@@ -51,7 +51,7 @@ def _signature(array: np.ndarray, kind: str) -> dict[str, Any]:
 
 def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send: np.ndarray,
             out: np.ndarray, wire: np.dtype, priority: int, finish: Callable[[], None] | None,
-            rows: bool = False) -> Future:
+            rows: bool = False, root: int | None = None) -> Future:
     engine = runtime.engine
     seq = engine.next_seq(name)
     op = Operation(
@@ -59,7 +59,7 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
         send=send, out=out.reshape(-1).view(wire), result=out,
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
-        traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(), rows=rows,
+        traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(), rows=rows, root=root,
     )
     engine.servers.stage(op)
     if not engine.push_now(op):  # sent from this thread when it can be (worker.server_links)
@@ -162,10 +162,10 @@ def push_pull(array: np.ndarray, name: str, average: bool = True, priority: int 
 
 def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
                     out: np.ndarray | None = None, priority: int = 0) -> Future:
-    """Start a broadcast of root_rank's ``array``: non-root ranks push zeros, all sum.
-
-    The sum runs on the raw bits (as unsigned integers), so the result is bit-exact for
-    every dtype, -0.0 and NaN payloads included.
+    """Start a broadcast of root_rank's ``array``: non-root ranks push zeros, and the servers
+    take only the root's payload (they know the sender from its connection: no other rank can
+    add into it), as raw bits, so the result is bit-exact for every dtype, -0.0 and NaN
+    payloads included.
     """
     runtime = current("broadcast")
     check_name(name, "broadcast")
@@ -187,7 +187,8 @@ def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
         send = np.ascontiguousarray(array).reshape(-1).view(wire)
     else:
         send = np.zeros(array.size, dtype=wire)
-    return _submit(runtime, name, f"broadcast from root {int(root_rank)}", array, send, out, wire, priority, None)
+    return _submit(runtime, name, f"broadcast from root {int(root_rank)}", array, send, out, wire, priority, None,
+                   root=int(root_rank))
 
 
 def broadcast(array: np.ndarray, name: str, root_rank: int = 0, out: np.ndarray | None = None) -> np.ndarray:

@@ -127,9 +127,13 @@ class Push(Message):
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
     hosted: bool = flag(False)  # a host leader's sum (bps_gossip.host_groups)
     rows: bool = flag(False)  # one row per worker: the server keeps of a push only its sender's row
+    root: int | None = optional_integer(0, MAX_NODES)  # a broadcast: the server takes only this rank's payload
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
+        if self.root is not None:
+            self._check(self.codec is None and not self.hosted and not self.rows,
+                        "a broadcast is not compressed, not a host's sum, not a rows push")
         if self.rows:  # bps_gossip.collectives.gather_rows: the whole tensor in one partition, pushed as is
             self._check(self.codec is None and not self.hosted and self.part == 0 and len(self.shape) == 2
                         and self.count == self.shape[0] * self.shape[1], "a rows push is one whole 2-d tensor, "

@@ -60,6 +60,7 @@ class Aggregation:
         self.opened_by = -1  # the rank charged for what the server holds for this round, and how much
         self.held = 0
         self.rows = False  # one row per worker (gather_rows): each push keeps only its sender's row
+        self.root: int | None = None  # a broadcast's root: every other rank's payload is left out
         self.row = 0  # elements of one row
 
     def own_row(self, payload: memoryview | bytes | np.ndarray, rank: int) -> memoryview:
@@ -100,6 +101,12 @@ class Aggregation:
                 self.acc_in_region = region
             else:
                 np.add(self.acc, data, out=self.acc)
+            self.added += 1
+            return self.added == self.expected
+
+    def skip(self) -> bool:
+        """Count a push whose payload is left out (a broadcast's non-root); True when it was the last."""
+        with self.lock:
             self.added += 1
             return self.added == self.expected
 

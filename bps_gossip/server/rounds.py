@@ -121,15 +121,19 @@ class Aggregations:
             return
         self.names.saw_part(push.key, push.part)
         data = payload if who.region is not None else payload.buffer
-        if agg.rows:  # a copy: a region never becomes a rows round's sum (write_back copies it there)
-            data = agg.own_row(data, who.rank)
-        if agg.rows or agg.nbytes <= INLINE_BYTES:
-            if agg.add(data):
-                agg.write_back()
-                self.finish(agg)  # the result doubles as this push's acknowledgement
-                return
+        if agg.root is not None and who.rank != agg.root:  # a broadcast: only the root's bits reach anyone
+            done = agg.skip()
+        elif agg.rows or agg.nbytes <= INLINE_BYTES:
+            if agg.rows:  # a copy: a region never becomes a rows round's sum (write_back copies it there)
+                data = agg.own_row(data, who.rank)
+            done = agg.add(data)
         else:
             self.pool.submit(agg, payload)
+            done = False
+        if done:
+            agg.write_back()
+            self.finish(agg)  # the result doubles as this push's acknowledgement
+            return
         if push.ack:
             self.reply(who, Ack(req=push.req), ())
 
@@ -210,28 +214,9 @@ class Aggregations:
         rid = (push.gen, push.key, push.part, push.seq)
         agg = self.rounds.get(rid)
         if agg is None:
-            merge = (codec[1], codec[2]) if codec is not None else (False, None)
-            if push.hosted and who.rank not in self.leaders:
-                self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed a host's sum but "
-                                             "leads no host group of this generation")
+            agg = self._open(who, push, codec, rid)
+            if agg is None:
                 return None
-            # What the server holds for the round: a copy of a payload that came as a frame (the
-            # float32 sum of a compressed one), nothing for one in the worker's own region.
-            held = held_bytes(push)
-            if who.region is None:
-                held += 4 * codec[0].n if codec is not None else push.count * np.dtype(push.wire).itemsize
-            why = self.rounds.refusal(who.rank, held)
-            if why is not None:
-                self._error(who, "protocol", f"tensor {push.name!r}: server {self.addr}: {why}")
-                return None
-            agg = Aggregation(rid, push.name, push.signature, push.wire, push.count,
-                        len(self.leaders) if push.hosted else self.size, codec[0] if codec is not None else None, merge)
-            agg.hosted, agg.rows, agg.row = push.hosted, push.rows, push.shape[1] if push.rows else 0
-            if push.rows and push.shape[0] != self.size:
-                self._error(who, "mismatch", f"tensor {push.name!r}: gather_rows of {push.shape[0]} rows in a job "
-                                             f"of {self.size} workers (one row each)")
-                return None
-            self.rounds.open(rid, agg, who.rank, held)
         elif who.rank in agg.pushes:
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
@@ -243,16 +228,52 @@ class Aggregations:
                 self.rounds.pop(rid, None)
             return None
         agg.error = agg.mismatch(who.rank, push.signature, push.wire, push.count)  # names the first pusher
-        if agg.error is None and push.rows != agg.rows:  # a sum could write into every row
-            agg.error = f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on gather_rows"
-        if agg.error is None and push.hosted != agg.hosted:  # also a non-leader's host sum
-            agg.error = (f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on "
-                         "reducing by host first (BPS_GOSSIP_HOST_REDUCE, compression)")
+        if agg.error is None:
+            agg.error = self._disagreement(agg, who, push)
         agg.pushes[who.rank] = who
         if agg.error is not None:
             self.fail(agg, "mismatch", agg.error)
             return None
         return agg
+
+    def _open(self, who: Contribution, push: Push, codec: Any, rid: RoundId) -> Aggregation | None:
+        """A new round for ``push`` (charged to its rank); None (the sender told why) if refused."""
+        merge = (codec[1], codec[2]) if codec is not None else (False, None)
+        why = None
+        if push.hosted and who.rank not in self.leaders:
+            why = "protocol", f"rank {who.rank} pushed a host's sum but leads no host group of this generation"
+        elif push.root is not None and push.root >= self.size:
+            why = "mismatch", f"broadcast from root {push.root} in a job of {self.size} workers"
+        elif push.rows and push.shape[0] != self.size:
+            why = "mismatch", f"gather_rows of {push.shape[0]} rows in a job of {self.size} workers (one row each)"
+        # What the server holds for the round: a copy of a payload that came as a frame (the
+        # float32 sum of a compressed one), nothing for one in the worker's own region.
+        held = held_bytes(push)
+        if who.region is None:
+            held += 4 * codec[0].n if codec is not None else push.count * np.dtype(push.wire).itemsize
+        if why is None:
+            refusal = self.rounds.refusal(who.rank, held)
+            why = None if refusal is None else ("protocol", f"server {self.addr}: {refusal}")
+        if why is not None:
+            self._error(who, why[0], f"tensor {push.name!r}: {why[1]}")
+            return None
+        agg = Aggregation(rid, push.name, push.signature, push.wire, push.count,
+                          len(self.leaders) if push.hosted else self.size, codec[0] if codec is not None else None,
+                          merge)
+        agg.hosted, agg.rows, agg.row, agg.root = push.hosted, push.rows, push.shape[1] if push.rows else 0, push.root
+        self.rounds.open(rid, agg, who.rank, held)
+        return agg
+
+    @staticmethod
+    def _disagreement(agg: Aggregation, who: Contribution, push: Push) -> str | None:
+        """Why ``push`` cannot join ``agg`` besides its signature (each would let a sum reach
+        what it must not), or None."""
+        for what, theirs, ours in (("the root", push.root, agg.root), ("gather_rows", push.rows, agg.rows),
+                                   ("reducing by host first (BPS_GOSSIP_HOST_REDUCE, compression)",
+                                    push.hosted, agg.hosted)):
+            if theirs != ours:
+                return f"tensor {push.name!r}: ranks {sorted(agg.pushes)} and rank {who.rank} disagree on {what}"
+        return None
 
     # -- results and failures --------------------------------------------------------
     def _error(self, who: Contribution, kind: str, why: str) -> None:

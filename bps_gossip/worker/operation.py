@@ -46,6 +46,7 @@ class Operation:
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
     host_rounds: dict[int, Any] | None = None  # a host leader: its partitions' host rounds (worker.host_reduce)
     rows: bool = False  # gather_rows: one row per worker, each kept by the server from its own sender
+    root: int | None = None  # a broadcast's root: the server takes only its payload
 
     def stage_in(self, segments: SegmentPool) -> None:
         """Put the payload in shared memory: sent in place from a leased buffer that is also the

@@ -271,6 +271,8 @@ class ServerLinks(LinkFailures, CallerSends):
             header["hosted"] = True
         if op.rows:
             header["rows"] = True
+        if op.root is not None:
+            header["root"] = op.root
         self._sent = True
         route = self.hosts.route if target == LEADER else self.routes[server]
         where = op.in_segment(offset)

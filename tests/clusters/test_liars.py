@@ -1,5 +1,6 @@
-"""Members that lie in what the ranks decide together: gather_rows gives every rank each rank's
-own row, whatever one rank writes into the others' (tests/jobs/liars_job.py)."""
+"""Members that lie (tests/jobs/liars_job.py): gather_rows gives every rank each rank's own row,
+whatever one rank writes into the others'; a broadcast gives every rank the root's array, whatever
+another rank pushes."""
 
 from __future__ import annotations
 
@@ -19,4 +20,18 @@ def test_a_rank_cannot_write_into_another_ranks_row(cluster, env):
         for got in finished.result["got"]:
             assert got[:2] == honest, finished.result  # the liar's 1e9 never reached another's row
             assert got[2] == [1e9, 1e9], finished.result  # its own row is its own business
+    job.wait_servers_exit()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("env", [{}, {"BPS_GOSSIP_SHM": "0"}], ids=["one-host", "zmq"])
+def test_a_rank_cannot_add_into_a_broadcast(cluster, env):
+    """A non-root rank used to push zeros that the servers summed: pushing anything else changed
+    every rank's copy of the root's array (the model broadcast at the first step). The servers
+    now take only the root's payload."""
+    job = cluster(3, 1, env)
+    done = job.run_job("liars_job", "broadcast")
+    assert_all_ok(done, job)
+    for finished in done:
+        assert finished.result["got"] == [1.0, 2.0, 3.0, 4.0], finished.result
     job.wait_servers_exit()

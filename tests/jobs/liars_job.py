@@ -1,6 +1,6 @@
-"""Members that lie in what the ranks decide together (tests/clusters/test_liars.py): every rank
-gathers its own row; the liar (the last rank) writes into every row, as a rank that reports
-numbers for the others would."""
+"""Members that lie (tests/clusters/test_liars.py): in what the ranks decide together, every rank
+gathers its own row and the liar (the last rank) writes into every row, as a rank that reports
+numbers for the others would; in a broadcast, the liar pushes a payload where zeros belong."""
 
 from __future__ import annotations
 
@@ -31,4 +31,20 @@ def gather(rounds: str) -> None:
     bps.shutdown()
 
 
-run({"gather": gather})
+def broadcast() -> None:
+    """Rank 0 broadcasts [1, 2, 3, 4]; the liar (the last rank) pushes 1000s, not zeros, under the
+    same name and root. Every rank reports what it got."""
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    if rank == size - 1:
+        lie = np.full(4, 1000.0, np.float32)
+        future = collectives._submit(current("liar"), "b", "broadcast from root 0", lie, lie.view(np.uint32),
+                                     np.empty_like(lie), np.dtype(np.uint32), 0, None, root=0)
+        got = bps.synchronize(future)
+    else:
+        got = bps.broadcast(np.arange(1, 5, dtype=np.float32) * (rank == 0), "b", root_rank=0)
+    report({"rank": rank, "got": np.asarray(got).tolist()})
+    bps.shutdown()
+
+
+run({"gather": gather, "broadcast": broadcast})
