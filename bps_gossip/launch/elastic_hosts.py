@@ -48,6 +48,7 @@ from .supervisor import Child, Supervisor
 
 START_SECONDS = 60.0  # how long the first look may wait for --min-np usable slots
 SERVER_ALIVE_COUNT = 3  # ssh's keepalives a worker's connection may miss before it counts as lost
+MIN_SERVER_ALIVE = 6  # seconds of silence ssh takes for a lost link, at least
 
 
 def slurm_hosts(env: Mapping[str, str], slots_per_host: int | None) -> list[Host] | None:
@@ -124,9 +125,11 @@ class ElasticHostsBackend(SshBackend):
         elastic.check(args.num_proc)
         cooldown = None if args.blacklist_cooldown_range is None else check_cooldown_range(
             args.blacklist_cooldown_range)
-        # ssh gives up on a silent link after the heartbeat timeout, as the scheduler does on its workers
+        # ssh gives up on a silent link after about the heartbeat timeout, as the scheduler does on
+        # its workers, and never within MIN_SERVER_ALIVE seconds: a busy machine's ssh answers late,
+        # and a connection it drops blacklists a healthy host (the scheduler decides membership anyway)
         heartbeat = load_config(env).heartbeat_timeout
-        alive = max(1, math.ceil(heartbeat / SERVER_ALIVE_COUNT))
+        alive = max(MIN_SERVER_ALIVE // SERVER_ALIVE_COUNT, math.ceil(heartbeat / SERVER_ALIVE_COUNT))
         ssh = SshOptions(args.ssh_port, args.ssh_identity_file, (
             *args.ssh_options, f"ServerAliveInterval={alive}", f"ServerAliveCountMax={SERVER_ALIVE_COUNT}"))
         return cls(discovery, args.num_proc, elastic, Blacklist(cooldown), args.num_servers, args.forward, ssh,
