@@ -162,10 +162,11 @@ def push_pull(array: np.ndarray, name: str, average: bool = True, priority: int 
 
 def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
                     out: np.ndarray | None = None, priority: int = 0) -> Future:
-    """Start a broadcast of root_rank's ``array``: non-root ranks push zeros, and the servers
-    take only the root's payload (they know the sender from its connection: no other rank can
-    add into it), as raw bits, so the result is bit-exact for every dtype, -0.0 and NaN
-    payloads included.
+    """Start a broadcast of root_rank's ``array``: non-root ranks push zeros, summed as raw bits,
+    so the result is bit-exact for every dtype, -0.0 and NaN payloads included. A server takes
+    of the pushes it gets only the root's (it knows the sender from its connection), so no rank
+    that pushes to it can add into the root's array; reduced by host first, a host's leader
+    still sums its locals' pushes.
     """
     runtime = current("broadcast")
     check_name(name, "broadcast")

@@ -127,7 +127,7 @@ class Push(Message):
     offset: int | None = optional_integer(0, MAX_ELEMENTS)  # byte offset of the payload in it
     hosted: bool = flag(False)  # a host leader's sum (bps_gossip.host_groups)
     rows: bool = flag(False)  # one row per worker: the server keeps of a push only its sender's row
-    root: int | None = optional_integer(0, MAX_NODES)  # a broadcast: the server takes only this rank's payload
+    root: int | None = optional_integer(0, MAX_NODES)  # a broadcast pushed to a server: it takes only this rank's payload
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
