@@ -271,7 +271,7 @@ class ServerLinks(LinkFailures, CallerSends):
             header["hosted"] = True
         if op.rows:
             header["rows"] = True
-        if op.root is not None:
+        if op.root is not None and way is not Way.HOSTED:  # a host's sum holds every local's push
             header["root"] = op.root
         self._sent = True
         route = self.hosts.route if target == LEADER else self.routes[server]
