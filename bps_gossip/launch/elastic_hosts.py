@@ -42,7 +42,7 @@ from .elastic import ElasticOptions, join_env
 from .hostfile import Host, Placement, parse_hosts, place_workers, read_hostfile
 from .hosts_run import DISCOVERY_SECONDS, HostsRun, RemoteWorker
 from .local import free_port
-from .secret_files import make_secret_file
+from .secret_files import make_secret_file, remove_secret_file
 from .ssh import SshBackend, SshOptions, forwarded_env, job_secret, probe_host
 from .supervisor import Child, Supervisor
 
@@ -240,9 +240,5 @@ class ElasticHostsBackend(SshBackend):
         return HostsRun(self, sup, workers, command).run()
 
     def close(self) -> None:
-        if self.secret_file is not None:
-            try:
-                os.unlink(self.secret_file)
-            except FileNotFoundError:
-                pass  # the scheduler removed it (bpslaunch was being killed)
-            self.secret_file = None
+        remove_secret_file(self.secret_file)
+        self.secret_file = None

@@ -23,7 +23,7 @@ from ..local_processes import REGISTRATIONS_VAR
 from ..transport import shm
 from .backend import Backend, Process, check_command, note
 from .elastic import ElasticOptions, ElasticRun, check_elastic_env, join_command, restart_delay
-from .secret_files import make_secret_file
+from .secret_files import make_secret_file, remove_secret_file
 from .supervisor import Child, Supervisor
 
 # Local mode owns these: every process runs on this machine, in one job.
@@ -162,9 +162,5 @@ class LocalBackend(Backend):
             shm.sweep(str(self.port))  # segments of workers that were killed (they could not unlink)
 
     def _remove_secret(self) -> None:
-        if self.secret_file is not None:
-            try:
-                os.unlink(self.secret_file)
-            except FileNotFoundError:
-                pass  # the scheduler removed it (bpslaunch was being killed)
-            self.secret_file = None
+        remove_secret_file(self.secret_file)
+        self.secret_file = None

@@ -39,3 +39,12 @@ def find_secret_file(port: int) -> str | None:
         if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077:
             found.append((info.st_mtime, str(path)))
     return max(found)[1] if found else None
+
+
+def remove_secret_file(path: str | None) -> None:
+    """Remove a job's secret file (gone already: the scheduler removed it as bpslaunch was killed)."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
