@@ -20,7 +20,7 @@ from typing import Any
 from . import placement
 from .errors import ConfigError
 from .host_groups import HOST_REDUCE_MODES
-from .transport.addresses import default_node_host, is_ip
+from .transport.addresses import INTERFACE_VAR, default_node_host, interface_address, is_ip
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
@@ -86,8 +86,9 @@ class Config:
 
     @property
     def bind_host(self) -> str:
-        """Where servers' and workers' sockets bind: DMLC_NODE_HOST, or every interface under
-        Kubernetes (they still advertise DMLC_NODE_HOST, which may then be a DNS name)."""
+        """Where servers' and workers' sockets bind: the address they advertise (DMLC_NODE_HOST,
+        or DMLC_INTERFACE's, as ps-lite binds), or every interface under Kubernetes (they still
+        advertise DMLC_NODE_HOST, which may then be a DNS name)."""
         return "0.0.0.0" if self.use_kubernetes else self.node_host
 
     @property
@@ -261,7 +262,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     config = Config(
         role=role,
         **shape,
-        node_host=_host(env, "DMLC_NODE_HOST", "") or default_node_host(shape["root_uri"], shape["root_port"]),
+        node_host=_node_host(env, shape["root_uri"], shape["root_port"]),
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
@@ -295,6 +296,19 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         if config.num_server < 1:
             raise ConfigError(f"DMLC_NUM_SERVER={config.num_server} must be >= 1 for a distributed job")
     return config
+
+
+def _node_host(env: Mapping[str, str], root_uri: str, root_port: int | None) -> str:
+    """What this process advertises, in ps-lite's order: DMLC_NODE_HOST; else the IPv4 address of
+    the interface DMLC_INTERFACE names (read only then, as ps-lite does: a bad one is a
+    ConfigError listing the interfaces); else this host's default (default_node_host)."""
+    explicit = _host(env, "DMLC_NODE_HOST", "")
+    if explicit:
+        return explicit
+    interface = _get(env, INTERFACE_VAR)
+    if interface is not None:
+        return interface_address(interface)
+    return default_node_host(root_uri, root_port)
 
 
 def _shape(env: Mapping[str, str]) -> dict[str, Any]:

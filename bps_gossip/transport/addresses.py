@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
+import sys
+
+from ..errors import ConfigError
+
+INTERFACE_VAR = "DMLC_INTERFACE"  # ps-lite's; BytePS reads the same name (it has no BYTEPS_ one)
+_SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's (primary) IPv4 address
+_IFNAMSIZ = 16  # struct ifreq's name field, its NUL included
+_IFREQ_BYTES = 40  # sizeof(struct ifreq) on Linux: the name, then a union of 24 bytes
 
 
 def is_ip(text: str) -> bool:
@@ -52,3 +61,60 @@ def route_source(host: str, port: int) -> str | None:
             return probe.getsockname()[0]
     except OSError:  # an unresolvable name (a Service not yet in DNS), no route
         return None
+
+
+def interface_names() -> list[str]:
+    """The network interfaces of this host (of this process's network namespace), by index."""
+    try:
+        return [name for _, name in sorted(socket.if_nameindex())]
+    except OSError:
+        return []
+
+
+def interface_address(name: str, variable: str = INTERFACE_VAR) -> str:
+    """The IPv4 address of network interface ``name`` (its primary one, the first ``ip addr``
+    lists: ps-lite takes the same), for DMLC_INTERFACE. Raises ConfigError naming ``variable``
+    and the interfaces that exist when ``name`` is not one, or has no IPv4 address.
+
+    Asked of the kernel with ioctl(SIOCGIFADDR), the call ``ifconfig`` makes: standard library
+    only, answered in this process's own network namespace, and the two failures come apart
+    (ENODEV: no such interface; EADDRNOTAVAIL: no IPv4 address). /proc/net lists no IPv4
+    addresses per interface (fib_trie is a routing table's dump), and ``ip`` may not be installed.
+    """
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(f"{variable} is read on Linux only (this is {sys.platform}): set DMLC_NODE_HOST "
+                          "to the address of that interface instead")
+    if not name or len(name.encode()) >= _IFNAMSIZ or any(c.isspace() or c in "/\0" for c in name):
+        raise ConfigError(f"{variable}={name!r} is not a network interface name (at most {_IFNAMSIZ - 1} "
+                          f"characters, no '/' or spaces); this host has {_listing()}")
+    try:
+        return _ipv4_of(name)
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            raise ConfigError(f"{variable}={name!r}: no such network interface on this host; "
+                              f"it has {_listing()}") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"{variable}={name!r} has no IPv4 address (bps_gossip advertises IPv4 only); "
+                              f"this host has {_listing()}; or set DMLC_NODE_HOST") from None
+        raise ConfigError(f"{variable}={name!r}: cannot read its address ({exc}); "
+                          f"this host has {_listing()}") from None
+
+
+def _ipv4_of(name: str) -> str:
+    """ioctl(SIOCGIFADDR) on interface ``name``; OSError as the kernel reports it."""
+    import fcntl  # Unix only: imported where it is needed
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, name.encode().ljust(_IFREQ_BYTES, b"\0"))
+    return socket.inet_ntoa(answer[20:24])  # sockaddr_in after the name: family (2), port (2), address (4)
+
+
+def _listing() -> str:
+    """The interfaces of this host with their IPv4 addresses, for an error message."""
+    found = []
+    for name in interface_names():
+        try:
+            found.append(f"{name} ({_ipv4_of(name)})")
+        except OSError:
+            found.append(f"{name} (no IPv4 address)")
+    return ", ".join(found) if found else "no network interfaces that could be listed"
