@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from ..config import NO_SECRET_NOTED_VAR, load_config
 from ..errors import ConfigError
+from ..transport.addresses import launcher_node_host
 from .backend import Backend, Process, check_command, note
 
 # Derived scheduler ports fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's ephemeral
@@ -320,13 +321,15 @@ def plan(env: Mapping[str, str], place: Layout, hostname: str = "localhost") -> 
         raise ConfigError(f"DMLC_PS_ROOT_PORT is not set and {launcher} exports no job id to derive it "
                           f"from; pick a free port, e.g. {launcher} "
                           f"{_passing(place.manager, 'DMLC_PS_ROOT_PORT', '29500')} ...")
-    node_host = env.get("DMLC_NODE_HOST", "").strip() or place.node_host
+    node_host = env.get("DMLC_NODE_HOST", "").strip()
     host = place.host_label or hostname
     base = dict(env)
     base.update({"DMLC_NUM_WORKER": str(num_nodes), "DMLC_NUM_SERVER": str(num_servers),
                  "DMLC_PS_ROOT_URI": root_uri, "DMLC_PS_ROOT_PORT": port_text or str(place.root_port)})
     if node_host:
         base["DMLC_NODE_HOST"] = node_host
+    elif place.node_host:  # unless DMLC_INTERFACE names the interface whose address each process takes
+        base.update(launcher_node_host(env, place.node_host))
     base.setdefault("PYTHONUNBUFFERED", "1")  # piped Python output would otherwise come in blocks
     rank = place.node_offset + place.local_rank if place.node_offset is not None else place.rank
     processes = []

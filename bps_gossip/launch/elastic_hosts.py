@@ -34,7 +34,7 @@ from ..compat import zip_exact
 from ..config import OWNED_SECRET_VAR, load_config
 from ..errors import ConfigError
 from ..local_processes import REGISTRATIONS_VAR
-from ..transport.addresses import is_loopback, route_source
+from ..transport.addresses import is_loopback, launcher_node_host, route_source
 from .backend import Backend, Process, note
 from .batch import detect, parse_hostlist, parse_tasks_per_node
 from .discovery import Blacklist, FixedHosts, HostDiscovery, ScriptDiscovery, check_cooldown_range
@@ -157,7 +157,7 @@ class ElasticHostsBackend(SshBackend):
             raise ConfigError(f"--num-servers {servers}: the number of servers must be >= 1")
         self.common.update({"DMLC_NUM_WORKER": str(len(placements)), "DMLC_NUM_SERVER": str(servers),
                             "DMLC_PS_ROOT_URI": self.root, "DMLC_PS_ROOT_PORT": str(self.port)})
-        here = {**self.env, **self.common, "DMLC_NODE_HOST": self.root, "BPS_GOSSIP_SECRET_FILE": self.secret_file}
+        here = {**self.env, **self.common, **launcher_node_host(self.common, self.root), "BPS_GOSSIP_SECRET_FILE": self.secret_file}
         here.pop("BPS_GOSSIP_SECRET", None)
         services = [Process("scheduler", "scheduler", "[scheduler] ",
                             {**here, "DMLC_ROLE": "scheduler", REGISTRATIONS_VAR: "1", OWNED_SECRET_VAR: "1"})]
@@ -219,13 +219,13 @@ class ElasticHostsBackend(SshBackend):
     def _first_workers(self, placement: Placement) -> list[Process]:
         address = placement.host.address
         return [Process("worker", f"worker{placement.first_rank + local}", f"[{placement.first_rank + local}@{address}] ", {
-            **self.common, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": address, "DMLC_WORKER_ID": str(placement.index),
+            **self.common, "DMLC_ROLE": "worker", **launcher_node_host(self.common, address), "DMLC_WORKER_ID": str(placement.index),
             "BYTEPS_LOCAL_SIZE": str(placement.workers), "BYTEPS_LOCAL_RANK": str(local)}, placement.host)
             for local in range(placement.workers)]
 
     def joiner(self, host: Host, number: int) -> Process:
         """Worker ``number`` (counting every worker this bpslaunch started), a joiner on ``host``."""
-        env = join_env(None, {**self.common, "DMLC_NODE_HOST": host.address, "BPS_GOSSIP_SECRET": self.secret})
+        env = join_env(None, {**self.common, **launcher_node_host(self.common, host.address), "BPS_GOSSIP_SECRET": self.secret})
         env.pop("BPS_GOSSIP_SECRET")  # the remote end writes it to a file of its own
         return Process("worker", f"worker w{number}", f"[w{number}@{host.address}] ", env, host)
 

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
+from ..transport.addresses import launcher_node_host
 from .backend import Backend, Process, note
 from .elastic import ElasticOptions
 from .hostfile import Host, Placement, parse_hosts, place_workers, read_hostfile
@@ -156,17 +157,17 @@ def plan(placements: Sequence[Placement], num_servers: int | None, root_port: in
             "DMLC_PS_ROOT_URI": hosts[0].address, "DMLC_PS_ROOT_PORT": str(root_port),
             "PYTHONUNBUFFERED": "1"}
     processes = [Process("scheduler", "scheduler", f"[scheduler@{hosts[0].address}] ",
-                         {**base, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": hosts[0].address}, hosts[0])]
+                         {**base, "DMLC_ROLE": "scheduler", **launcher_node_host(common, hosts[0].address)}, hosts[0])]
     for index in range(servers):
         host = hosts[index % len(hosts)]
         processes.append(Process("server", f"server{index}", f"[server{index}@{host.address}] ",
-                                 {**base, "DMLC_ROLE": "server", "DMLC_NODE_HOST": host.address}, host))
+                                 {**base, "DMLC_ROLE": "server", **launcher_node_host(common, host.address)}, host))
     for placement in placements:
         address = placement.host.address
         for local_rank in range(placement.workers):
             rank = placement.first_rank + local_rank
             processes.append(Process("worker", f"worker{rank}", f"[{rank}@{address}] ", {
-                **base, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": address, "DMLC_WORKER_ID": str(placement.index),
+                **base, "DMLC_ROLE": "worker", **launcher_node_host(common, address), "DMLC_WORKER_ID": str(placement.index),
                 "BYTEPS_LOCAL_SIZE": str(placement.workers), "BYTEPS_LOCAL_RANK": str(local_rank)}, placement.host))
     return processes
 

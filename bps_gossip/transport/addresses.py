@@ -6,6 +6,7 @@ import errno
 import ipaddress
 import socket
 import sys
+from collections.abc import Mapping
 
 from ..errors import ConfigError
 
@@ -48,6 +49,14 @@ def default_node_host(root_uri: str, root_port: int | None) -> str:
     if address is not None and not is_loopback(address):
         return address
     return route_source(root_uri, root_port or 9) or address or "127.0.0.1"
+
+
+def launcher_node_host(env: Mapping[str, str], address: str) -> dict[str, str]:
+    """What a launcher sets for a process it starts on the host it knows as ``address``:
+    DMLC_NODE_HOST=address, or nothing when ``env`` (the user's) names DMLC_INTERFACE: the
+    process then advertises that interface's address on its own host (the user's choice wins
+    over the launcher's guess, as DMLC_NODE_HOST of one's own does)."""
+    return {} if (env.get(INTERFACE_VAR) or "").strip() else {"DMLC_NODE_HOST": address}
 
 
 def route_source(host: str, port: int) -> str | None:
