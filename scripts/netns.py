@@ -221,9 +221,9 @@ class Network:
         """The host's IP address on the private subnet."""
         return self.hosts[host].address
 
-    def traffic(self, host: str) -> tuple[int, int]:
-        """Bytes (received, sent) so far on ``host``'s link: proof that traffic crossed it."""
-        stats = json.loads(run(["ip", "-n", self.hosts[host].namespace, "-s", "-j", "link", "show", HOST_IFACE]))
+    def traffic(self, host: str, interface: str = HOST_IFACE) -> tuple[int, int]:
+        """Bytes (received, sent) so far on ``host``'s link (``interface``): proof that traffic crossed it."""
+        stats = json.loads(run(["ip", "-n", self.hosts[host].namespace, "-s", "-j", "link", "show", interface]))
         counters = stats[0]["stats64"]
         return int(counters["rx"]["bytes"]), int(counters["tx"]["bytes"])
 
@@ -249,6 +249,54 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+SECOND_IFACE = "eth1"  # a TwoLinkNetwork host's second link
+SECOND_SUBNET = "10.214.0.0/24"
+
+
+class TwoLinkNetwork(Network):
+    """Hosts with two network interfaces, as machines with a second NIC (a fast data network
+    beside the one ssh reaches): ``eth0`` on ``subnet`` and ``eth1`` on ``second_subnet``, each
+    subnet on its own bridge of the switch namespace. Both links unlimited unless ``mbit``.
+    Processes pick one with DMLC_INTERFACE (tests/clusters/test_interface.py)."""
+
+    def __init__(self, names: Sequence[str], mbit: float = 0.0, subnet: str = DEFAULT_SUBNET,
+                 second_subnet: str = SECOND_SUBNET) -> None:
+        super().__init__(names, mbit, subnet=subnet)
+        second = ipaddress.ip_network(second_subnet)
+        if not second.is_private or second.overlaps(ipaddress.ip_network(subnet)):
+            raise NetnsError(f"second subnet {second_subnet} must be private and apart from {subnet}")
+        if len(names) > second.num_addresses - 2:
+            raise NetnsError(f"second subnet {second_subnet} is too small for {len(names)} hosts")
+        self.second_prefixlen = second.prefixlen
+        addresses = second.hosts()
+        self.second = {name: str(next(addresses)) for name in names}
+
+    def _build(self) -> None:
+        super()._build()
+        run(["ip", "-n", self.switch, "link", "add", "br1", "type", "bridge"])
+        run(["ip", "-n", self.switch, "link", "set", "br1", "up"])
+        for index, host in enumerate(self.hosts.values()):
+            port = f"q{index}"  # its switch end, beside the first link's p<index>
+            run(["ip", "link", "add", "name", SECOND_IFACE, "netns", host.namespace, "type", "veth",
+                 "peer", "name", port, "netns", self.switch])
+            run(["ip", "-n", self.switch, "link", "set", port, "master", "br1"])
+            run(["ip", "-n", self.switch, "link", "set", port, "up"])
+            run(["ip", "-n", host.namespace, "addr", "add", f"{self.second[host.name]}/{self.second_prefixlen}",
+                 "dev", SECOND_IFACE])
+            run(["ip", "-n", host.namespace, "link", "set", SECOND_IFACE, "up"])
+            if host.mbit > 0:
+                tbf(host.namespace, SECOND_IFACE, host.mbit)
+                tbf(self.switch, port, host.mbit)
+
+    def address(self, host: str, interface: str = HOST_IFACE) -> str:
+        """The host's IP address on the link ``interface`` (eth0: the first subnet, eth1: the second)."""
+        if interface == SECOND_IFACE:
+            return self.second[host]
+        if interface != HOST_IFACE:
+            raise NetnsError(f"hosts have {HOST_IFACE} and {SECOND_IFACE}, not {interface}")
+        return super().address(host)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
