@@ -22,6 +22,18 @@ import bps_gossip as _core
 from bps_gossip import generation, init, local_rank, local_size, rank, size
 
 from . import overlap as _overlap
+from .collectives import (
+    Average,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    broadcast_object,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_push_pull,
+)
 from .compression import Compression
 from .kvstore import BpsGossip
 from .modes import GossipOptions
@@ -32,8 +44,9 @@ from .parameters import broadcast_parameters
 from .trainer import DistributedTrainer
 
 __all__ = [
-    "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "GossipOptions", "broadcast", "broadcast_", "broadcast_parameters",
-    "byteps_declare_tensor", "byteps_push_pull", "generation", "init", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
+    "Average", "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "GossipOptions", "Sum", "allgather", "allgather_object", "allreduce",
+    "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
+    "byteps_declare_tensor", "byteps_push_pull", "generation", "grouped_allreduce", "grouped_allreduce_", "grouped_push_pull", "init", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
     "suspend",
 ]
 

@@ -30,7 +30,7 @@ def encode(value: Any) -> bytes:
     try:
         return msgpack.packb(value, default=_extend, use_bin_type=True, strict_types=True)
     except (TypeError, OverflowError, ValueError) as exc:
-        raise TypeError(f"elastic state: cannot send {exc} (supported: None, bool, int, float, str, bytes, "
+        raise TypeError(f"cannot send {exc} (supported: None, bool, int, float, str, bytes, "
                         "list, tuple, dict, numpy arrays and scalars)") from None
 
 

@@ -21,15 +21,25 @@ def broadcast_object(obj: Any, name: str, root_rank: int = 0, comm: Comm | None 
 
     Encoded with :mod:`bps_gossip.elastic.encoding` (msgpack, numpy arrays, tuples), never
     pickled: bytes that come through the servers are data, not code. A value it cannot
-    encode is a TypeError on root_rank naming its type.
+    encode is a TypeError on every rank naming its type (one worker alone checks it too).
     """
     comm = resolve(comm)
     if comm.size() == 1:
+        encoding.encode(obj)  # what a job of several workers refuses, one refuses too
         return obj
-    payload = encoding.encode(obj) if comm.rank() == root_rank else b""
-    length = comm.broadcast(np.array([len(payload)], dtype=np.int64), f"{name}.length", root_rank)
-    data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(int(length[0]), dtype=np.uint8)
+    payload, failed = b"", False
+    if comm.rank() == root_rank:
+        try:
+            payload = encoding.encode(obj)
+        except TypeError as exc:  # the other ranks are told (a negative length), so all raise
+            payload, failed = str(exc)[:500].encode("utf-8"), True
+    told = -len(payload) if failed else len(payload)
+    length = int(comm.broadcast(np.array([told], dtype=np.int64), f"{name}.length", root_rank)[0])
+    data = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(abs(length), dtype=np.uint8)
     data = comm.broadcast(data, f"{name}.bytes", root_rank)
+    if length < 0:
+        raise TypeError(f"broadcast_object({name!r}): root rank {root_rank} could not send its object: "
+                        f"{data.tobytes().decode('utf-8', 'replace')} [on rank {comm.rank()}]")
     return encoding.decode(data.tobytes())
 
 
