@@ -22,6 +22,7 @@ from .parameters import (
     is_initialized,
     take_hook_broadcast,
 )
+from .unsupported import refuse_sparse, refuse_update_on_kvstore
 
 MODES = core.config.TRAINER_MODES
 
@@ -69,7 +70,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None, root_rank: int = 0,
                  compression_params: dict | None = None, mode: str | None = None, *,
                  overlap_backward: bool | None = None, gossip_options: GossipOptions | None = None,
-                 **gossip: Any) -> None:
+                 update_on_kvstore: bool | None = None, **gossip: Any) -> None:
+        refuse_update_on_kvstore(update_on_kvstore, "DistributedTrainer")  # False/None: what it does anyway
         options = GossipOptions.merge(gossip_options, gossip)
         given_optimizer_params = dict(optimizer_params or {})
         compressed_optimizer_params = dict(given_optimizer_params)
@@ -77,6 +79,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         cls = mode_class(mode, compression, fp16)
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
         given = _given_params(params)
+        refuse_sparse(given, "DistributedTrainer")
         setup = ModeSetup(compression=compression, fp16=fp16, optimizer_params=given_optimizer_params,
                           compressed_optimizer_params=compressed_optimizer_params,
                           overlap_backward=overlap_backward, gossip=options, registered=tuple(given))
