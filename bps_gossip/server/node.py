@@ -32,8 +32,9 @@ from ..protocol import (
 )
 from ..rendezvous import join
 from ..transport import bind_random_port
+from ..transport.connection_gate import ConnectionGate
 from ..transport.receive import DropLog, drain
-from ..transport.security import FailedHandshakes, routing_id
+from ..transport.security import FailedHandshakes, routing_id, set_admission
 from ..transport.sockets import SocketRole, open_socket
 from .aggregation import Contribution
 from .outbox import Outbox
@@ -54,6 +55,10 @@ class Server:
         self.sock = open_socket(self.ctx, SocketRole.SERVER, config)
         self.addr = bind_random_port(self.sock, config.bind_host, config.port, config.node_host)
         self.knocks = FailedHandshakes(self.sock, self.log) if config.keys is not None else None
+        self.gate = None  # which connections complete the handshake (with a secret only)
+        if self.knocks is not None:
+            self.gate = ConnectionGate(self.knocks, self.log)
+            set_admission(self.ctx, self.gate.admit)
         self.curve = bool(self.sock.getsockopt(zmq.CURVE_SERVER))  # asked once, not on every wake
         self.outbox = Outbox(self.sock, self.log)
         self.sched = open_socket(self.ctx, SocketRole.TO_SCHEDULER, config, routing_id("server", config.keys))
@@ -88,6 +93,8 @@ class Server:
     def _take_book(self, book: AddressBook) -> None:
         self.rank = book.rank
         self.rounds.take_book(book)
+        if self.gate is not None:
+            self.gate.set_members(self.rounds.ranks)
 
     # -- replies ------------------------------------------------------------------
     def _reply(self, who: Contribution, msg: Message, payloads: tuple = ()) -> None:
@@ -169,6 +176,8 @@ class Server:
         self.outbox.prune()
         if self.knocks is not None:
             self.knocks.check()
+        if self.gate is not None:
+            self.gate.report()
         for stall in self.rounds.expire(now):
             send(self.sched, stall)
         if now - self.last_ack > self.config.heartbeat_timeout:
@@ -185,6 +194,8 @@ class Server:
         """Stop the pool and close the sockets."""
         self.pool.close()
         self.rounds.close()
+        if self.gate is not None:
+            set_admission(self.ctx, None)
         if self.knocks is not None:
             self.knocks.close()
         self.sock.close(linger=0)

@@ -19,6 +19,7 @@ another's routing id, learned from the address book, is not taken for it anywher
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -107,15 +109,30 @@ def _route_suffix(public: str) -> bytes:
 
 
 class _AnyKeyThatKnowsTheServer:
-    """ZAP credentials check: any client key. Completing the handshake already proved that the
-    client knows the server's public key, which only holders of the job's secret can derive; the
-    client's own key then names the member (see the module docstring)."""
+    """ZAP credentials check: any client key, unless the context has a gate
+    (:func:`set_admission`). Completing the handshake already proved that the client knows the
+    server's public key, which only holders of the job's secret can derive; the client's own key
+    then names the member (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.admit: Callable[[bytes], bool] | None = None
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return True
+        admit = self.admit
+        return True if admit is None else admit(key)
 
 
-_authenticators: dict[int, tuple[ThreadAuthenticator, JobKeys]] = {}
+_authenticators: dict[int, tuple[ThreadAuthenticator, JobKeys, _AnyKeyThatKnowsTheServer]] = {}
+
+
+def set_admission(ctx: zmq.Context, admit: Callable[[bytes], bool] | None) -> None:
+    """Have the ZAP handler of ``ctx`` (started by the first serving socket) ask ``admit`` with
+    each client's public key (Z85) whether its handshake may complete; None admits every key."""
+    with _lock:
+        running = _authenticators.get(id(ctx))
+    if running is None:
+        raise ValueError("no socket of this context serves with a secret: nothing to gate")
+    running[2].admit = admit
 _lock = threading.Lock()
 
 
@@ -129,8 +146,9 @@ def _authenticate(ctx: zmq.Context, keys: JobKeys) -> None:
             return
         auth = ThreadAuthenticator(ctx, log=None)
         auth.start()
-        auth.configure_curve_callback("*", _AnyKeyThatKnowsTheServer())
-        _authenticators[id(ctx)] = (auth, keys)
+        check = _AnyKeyThatKnowsTheServer()
+        auth.configure_curve_callback("*", check)
+        _authenticators[id(ctx)] = (auth, keys, check)
 
 
 def make_socket(ctx: zmq.Context, kind: int, keys: JobKeys | None, serve: bool) -> zmq.Socket:
@@ -164,13 +182,20 @@ class FailedHandshakes:
     (a line therefore gathers GATHER_SECONDS after its first failure)."""
 
     def __init__(self, sock: zmq.Socket, log: logging.Logger, every: float = 10.0) -> None:
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.log = log
         self.every = every
         self.count = 0  # since the last line
         self.total = 0
         self.endpoint = ""
         self.peers: list[str] = []  # of the failures since the last line, at most MAX_LOGGED_PEERS
+        # Connections that completed the handshake and are not yet disconnected (ConnectionGate
+        # reads it; one thread writes it). libzmq ends every accepted connection with one
+        # disconnect and, if its handshake did not succeed, one failure event before it: a
+        # disconnect is a failed one's while failures wait for theirs, else an authenticated one's.
+        self.authenticated = 0
+        self.succeeded = 0  # handshakes completed, ever
         self._next = 0.0  # no line before (rate limit)
         self._due = 0.0  # nor before this (the first failure of a line, and a moment)
         self._lock = threading.Lock()
@@ -181,7 +206,8 @@ class FailedHandshakes:
 
     def _watch(self) -> None:
         accepted: dict[int, str] = {}  # descriptor -> peer, of the connections not yet disconnected
-        unattributed = 0  # failures whose disconnect has not come yet
+        # failures whose disconnect has not come yet: True for a failed handshake, False for a refusal
+        unattributed: collections.deque[bool] = collections.deque(maxlen=MAX_TRACKED_CONNECTIONS)
         while not self._stop.is_set():
             try:
                 if not self.monitor.poll(100):
@@ -193,10 +219,14 @@ class FailedHandshakes:
             if kind == zmq.EVENT_ACCEPTED:
                 if len(accepted) < MAX_TRACKED_CONNECTIONS:
                     accepted[value] = peer_of(value)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.authenticated += 1
+                self.succeeded += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 peer = accepted.pop(value, "?")
-                if unattributed:  # the failed connection's end: counted now, with its peer
-                    unattributed -= 1
+                if not unattributed:
+                    self.authenticated = max(0, self.authenticated - 1)
+                elif unattributed.popleft():  # a failed connection's end: counted now, with its peer
                     with self._lock:
                         if not self.count:  # the first of a line: gather a moment, for more peers
                             self._due = time.monotonic() + GATHER_SECONDS
@@ -204,8 +234,8 @@ class FailedHandshakes:
                         self.total += 1
                         if len(self.peers) < MAX_LOGGED_PEERS and peer not in self.peers:
                             self.peers.append(peer)
-            else:
-                unattributed = min(unattributed + 1, MAX_TRACKED_CONNECTIONS)
+            else:  # a failure; one refused by the server's ConnectionGate knew the secret: not logged here
+                unattributed.append(kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH)
                 self.endpoint = event.get("endpoint", b"").decode(errors="replace")
 
     def check(self) -> None:

@@ -466,3 +466,62 @@ def test_a_server_holds_a_bounded_number_of_result_bytes_for_a_member_that_reads
         reader.close(linger=0)
         server.close(linger=0)
         ctx.term()
+
+
+def _handshakes(address: str, keys, pairs: list[tuple[bytes, bytes]], seconds: float) -> tuple[int, list]:
+    """Connect one DEALER per key pair to ``address`` and wait ``seconds``: how many completed the
+    secure handshake (their sockets, still open, are returned: close them)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx = zmq.Context.instance()
+    socks, monitors = [], []
+    for index, (public, secret) in enumerate(pairs):
+        sock = ctx.socket(zmq.DEALER)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.server_public, public, secret
+        sock.setsockopt(zmq.IDENTITY, f"worker-9{index}-x".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # one try each: a refused one stays refused here
+        monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+        sock.connect(address)
+        socks.append(sock)
+    deadline, succeeded = time.monotonic() + seconds, set()
+    while time.monotonic() < deadline:
+        for index, monitor in enumerate(monitors):
+            while monitor.poll(0):
+                recv_monitor_message(monitor)
+                succeeded.add(index)
+        time.sleep(0.05)
+    for sock, monitor in zip(socks, monitors):
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    return len(succeeded), socks
+
+
+@pytest.mark.timeout(90)
+def test_a_server_bounds_connections_in_total_and_per_key(cluster):
+    """Issue 37, item 3: nothing bounded how many connections one holder of the secret opened to
+    a server (each costs ZeroMQ's session and CURVE state, about 44 KiB idle: 1,000 of them +43 MiB).
+    Keys in no address book now get at most STRANGER_CONNECTIONS live connections beyond one per
+    member, and one key at most KEY_HANDSHAKES handshakes a minute; the members keep training."""
+    from bps_gossip.transport.connection_gate import KEY_HANDSHAKES, STRANGER_CONNECTIONS
+
+    job = cluster(2)
+    workers = job.start_job("insiders_job", "steady_with_uid")
+    deadline = time.monotonic() + 30
+    while "UID" not in open(workers[0].out_file.name).read():
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    server = next(line.split()[2] for line in open(workers[0].out_file.name) if line.startswith("UID"))
+    keys = load_config(job.env).keys
+    one_key = zmq.curve_keypair()
+    admitted, same_key = _handshakes(server, keys, [one_key] * (KEY_HANDSHAKES + 8), 3.0)
+    assert admitted == KEY_HANDSHAKES, admitted  # before: all 16
+    many, fresh = _handshakes(server, keys, [zmq.curve_keypair() for _ in range(STRANGER_CONNECTIONS + 40)], 5.0)
+    # the members' 2 connections and the same key's 8 count towards the strangers' room
+    assert STRANGER_CONNECTIONS // 2 <= many <= STRANGER_CONNECTIONS + 2 - KEY_HANDSHAKES, many  # before: all 104
+    for sock in same_key + fresh:
+        sock.close()
+    done = job.wait(workers, timeout=60)
+    assert_all_ok(done, job)
+    assert {f.result["total"] for f in done} == {400.0}
+    wait_for_line(job.server_procs[0], "refused", job)
