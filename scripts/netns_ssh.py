@@ -47,9 +47,9 @@ class SshHosts:
     checks: the host keys are made for this run and die with it).
     """
 
-    def __init__(self, count: int, mbit: float = 0) -> None:
+    def __init__(self, count: int, mbit: float = 0, network: type[netns.Network] = netns.Network) -> None:
         self.names = [f"host{i}" for i in range(count)]
-        self.net = netns.Network(self.names, mbit)
+        self.net = network(self.names, mbit)  # netns.TwoLinkNetwork: a second link on each host
         self.dir = tempfile.mkdtemp(prefix="bpsg_netns_ssh_")
         self.key = os.path.join(self.dir, "id_ed25519")
         self.sshd: dict[str, subprocess.Popen] = {}

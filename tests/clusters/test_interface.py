@@ -2,23 +2,29 @@
 namespaces, each with eth0 on 10.213.0.0/24 and eth1 on 10.214.0.0/24): with DMLC_NODE_HOST
 unset, the server and workers advertise and bind eth1's address, so the data crosses eth1 while
 the scheduler stays at its eth0 address; a name that is no interface, or one without an IPv4
-address, stops a process at start-up with an error that lists the interfaces. Needs root and
-iproute2 (skipped otherwise); every namespace is deleted at the end, pass or fail."""
+address, stops a process at start-up with an error that lists the interfaces. bpslaunch -H, which
+sets DMLC_NODE_HOST to each host's listed address, leaves it to DMLC_INTERFACE when the user sets
+it. Needs root and iproute2, and sshd for the last test (skipped otherwise); every namespace is
+deleted at the end, pass or fail."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import assert_all_ok, results_by_rank
+from cluster import FAST_ENV, assert_all_ok, results_by_rank
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 sys.path.insert(0, str(SCRIPTS))
 
 import netns  # noqa: E402
+import netns_ssh  # noqa: E402
 
 try:
     netns.check_prerequisites()
@@ -31,6 +37,7 @@ pytestmark = [pytest.mark.skipif(bool(SKIP_WHY), reason=SKIP_WHY or "-"), pytest
 ELEMENTS = 1 << 18  # 1 MiB of float32 a push
 ROUNDS = 3
 DATA = netns.SECOND_IFACE  # the interface the job is told to use
+WORKER = [str(JOBS / "interface_job.py"), "push_pull_on_the_interface", str(ELEMENTS), str(ROUNDS)]
 
 
 @pytest.fixture
@@ -56,7 +63,7 @@ def test_processes_advertise_and_use_the_named_interface(hosts, cluster):
     job = cluster(2, 1, env={"DMLC_INTERFACE": DATA}, start_servers=False)
     for role in ("scheduler", "server"):
         start(job, hosts, "a", [sys.executable, "-m", f"bps_gossip.{role}"], role, DMLC_ROLE=role)
-    worker = [sys.executable, str(JOBS / "interface_job.py"), "push_pull_on_the_interface", str(ELEMENTS), str(ROUNDS)]
+    worker = [sys.executable, *WORKER]
     procs = []
     for rank, host in enumerate(("a", "b")):
         proc = start(job, hosts, host, worker, f"worker{rank}", DMLC_ROLE="worker", DMLC_WORKER_ID=str(rank))
@@ -97,3 +104,36 @@ def test_a_wrong_interface_stops_each_role_at_start_up(hosts, cluster, name, mes
         listed = f"eth0 ({hosts.address('a')}), eth1 ({hosts.address('a', DATA)})"
         assert listed in done.stderr and "bare0 (no IPv4 address)" in done.stderr, (role, done.stderr)
         assert "started" not in done.stdout
+
+
+def ssh_unavailable() -> str:
+    try:
+        netns_ssh.check_prerequisites()
+    except netns.NetnsError as exc:
+        return f"ssh hosts unavailable: {exc}"
+    return ""
+
+
+@pytest.mark.skipif(bool(ssh_unavailable()), reason=ssh_unavailable() or "-")
+@pytest.mark.timeout(120)
+def test_bpslaunch_over_ssh_leaves_the_address_to_the_interface(tmp_path):
+    """bpslaunch -H reaches the hosts (and the scheduler) at their eth0 addresses; with
+    DMLC_INTERFACE=eth1 its servers and workers advertise eth1's, each on its own host."""
+    netns.cleanup_leftovers()
+    with netns_ssh.SshHosts(2, network=netns.TwoLinkNetwork) as made:
+        a, b = made.addresses
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_LOCAL"))}
+        env.update({**FAST_ENV, "PYTHONUNBUFFERED": "1", "DMLC_INTERFACE": DATA})
+        command = [sys.executable, "-m", "bps_gossip.launch", "-H", f"{a}:1,{b}:1", *made.ssh_args,
+                   sys.executable, *WORKER]
+        done = subprocess.run(made.exec_argv("host0", command), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-4000:]
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
+                      if "RESULT " in line), key=lambda r: r["rank"])
+    data = [made.net.address(name, DATA) for name in made.names]
+    assert [r["node_host"] for r in results] == data, done.stdout[-4000:]
+    for result in results:  # one server per host, each on its host's eth1
+        assert sorted(s.rsplit(":", 1)[0] for s in result["servers"]) == [f"tcp://{d}" for d in data], result
+        assert [host for _, host in result["workers"]] == data, result
+        assert result["bytes"][DATA] >= ELEMENTS * 4 * ROUNDS, result
