@@ -37,7 +37,7 @@ OTHERS = {"kubectl", "salloc", "srun", "mpirun", "mpiexec", "umask", "rm", "exit
 USER_SCRIPTS = {"train.py"}  # the reader's own training script, in examples of launching one
 OUR_VARIABLE = re.compile(r"\b(?:BPS_GOSSIP|BYTEPS|DMLC)_[A-Z0-9_]*[A-Z0-9]\b")
 # Named in docs, read by what we start rather than by our code.
-FOREIGN_VARIABLES = {"DMLC_INTERFACE": "ps-lite's (MXNet dist_sync in the benchmarks), set by scripts/netns_job.py"}
+FOREIGN_VARIABLES: dict[str, str] = {}  # DMLC_INTERFACE was one until bps_gossip read it too
 # bpslaunch prints --join's command with the job's real port.
 PLACEHOLDERS = {"127.0.0.1:PORT": "127.0.0.1:29500"}
 
