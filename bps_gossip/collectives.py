@@ -51,7 +51,7 @@ def _signature(array: np.ndarray, kind: str) -> dict[str, Any]:
 
 def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send: np.ndarray,
             out: np.ndarray, wire: np.dtype, priority: int, finish: Callable[[], None] | None,
-            rows: bool = False, root: int | None = None) -> Future:
+            rows: bool = False, root: int | None = None, **more: Any) -> Future:
     engine = runtime.engine
     seq = engine.next_seq(name)
     op = Operation(
@@ -60,6 +60,7 @@ def _submit(runtime: Runtime, name: str, sig_kind: str, array: np.ndarray, send:
         parts=partitions(array.size, wire.itemsize, runtime.config.partition_bytes),
         priority=int(priority), finish=finish,
         traced=engine.tracer is not None and engine.tracer.traced(seq), submitted=now_us(), rows=rows, root=root,
+        **more,
     )
     engine.servers.stage(op)
     if not engine.push_now(op):  # sent from this thread when it can be (worker.server_links)
@@ -77,7 +78,7 @@ def _submit_compressed(runtime: Runtime, name: str, sig_kind: str, array: np.nda
     tracer = engine.tracer if engine.tracer is not None and engine.tracer.traced(seq) else None
     flat = np.ascontiguousarray(array).reshape(-1)
     elements = partitions(array.size, array.dtype.itemsize, runtime.config.partition_bytes)
-    codecs, chunks, parts, offset = [], [], [], 0
+    codecs, chunks, parts, out_parts, offset, out_offset = [], [], [], [], 0, 0
     for index, (start, count) in enumerate(elements):
         codec = spec.codec(count)
         state = runtime.compression_state.setdefault((name, index), PartitionState())
@@ -87,15 +88,17 @@ def _submit_compressed(runtime: Runtime, name: str, sig_kind: str, array: np.nda
             tracer.event(name, "COMPRESS", index, began, now_us())
         codecs.append((codec, spec.header(count)))
         parts.append((offset, codec.nbytes))
+        out_parts.append((out_offset, codec.result_nbytes))  # MXNet's quantizers pull float32 sums
         offset += codec.nbytes
+        out_offset += codec.result_nbytes
     send = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-    merged = np.empty_like(send)
+    merged = np.empty(out_offset, np.uint8)
     result = out.reshape(-1)
 
     def decompress() -> None:
         began = now_us()
-        for (start, count), (codec, _), (at, nbytes) in zip_exact(elements, codecs, parts):
-            result[start:start + count] = codec.decompress(merged[at:at + nbytes])
+        for (start, count), (codec, _), (at, nbytes) in zip_exact(elements, codecs, out_parts):
+            result[start:start + count] = codec.decode_result(merged[at:at + nbytes])
         if tracer is not None:
             tracer.event(name, "DECOMPRESS", "total", began, now_us())
         if finish is not None:
@@ -103,7 +106,7 @@ def _submit_compressed(runtime: Runtime, name: str, sig_kind: str, array: np.nda
 
     op = Operation(
         future=Future(), name=name, key=runtime.declare(name), seq=seq, sig=_signature(array, sig_kind),
-        send=send, out=merged, result=out, parts=parts, priority=int(priority), finish=decompress,
+        send=send, out=merged, result=out, parts=parts, out_parts=out_parts, priority=int(priority), finish=decompress,
         codecs=[header for _, header in codecs], traced=tracer is not None, submitted=submitted,
     )
     engine.submit(cmd.Submit(op))
@@ -145,7 +148,8 @@ def push_pull_async(array: np.ndarray, name: str, average: bool = True, priority
         out = np.empty(array.shape, array.dtype)
     finish = _averaging(out, runtime.size) if average and runtime.size > 1 else None
     kind = "mean" if average else "sum"
-    if compression is not None and array.dtype.kind == "f" and array.nbytes >= runtime.config.min_compress_bytes:
+    if compression is not None and array.dtype.kind == "f" \
+            and compression.compresses(array.nbytes, runtime.config.min_compress_bytes):
         return _submit_compressed(runtime, name, f"{kind} compressed {compression.describe()}", array, out,
                                   compression, priority, finish)
     send = np.ascontiguousarray(array).reshape(-1)
@@ -237,3 +241,39 @@ def gather_rows_async(row: np.ndarray, name: str, priority: int = 0) -> Future:
 def gather_rows(row: np.ndarray, name: str, priority: int = 0) -> np.ndarray:
     """Blocking :func:`gather_rows_async`: every rank's ``row``, by rank."""
     return synchronize(gather_rows_async(row, name, priority))
+
+
+def store_push_pull_async(array: np.ndarray, name: str, init: bool = False, instance: int = 0,
+                          out: np.ndarray | None = None, priority: int = 0) -> Future:
+    """Asynchronous training (BytePS's BYTEPS_ENABLE_ASYNC): add ``array`` (a float tensor: the change
+    this worker's optimizer made to weights ``name``) to the servers' stored copy of them, and get
+    the stored weights back, without waiting for any other worker. ``init=True`` starts the stored
+    weights from ``array`` where no rank has yet (instance ``instance``), or gets them unchanged:
+    every rank calls it once, before its first change, with the same weights. A larger
+    ``instance`` replaces stored weights of the name (a new model under the same names). The
+    tensor is partitioned over the servers as push_pull's is (bps_gossip.server.async_store).
+    """
+    runtime = current("store_push_pull")
+    check_name(name, "store_push_pull")
+    array = check_array(array, name, "store_push_pull")
+    if array.dtype.kind != "f":
+        raise TypeError(f"store_push_pull({name!r}): stored weights are floats, not {array.dtype} "
+                        f"[on rank {runtime.rank}]")
+    if out is not None:
+        check_out(out, array, name, "store_push_pull")
+    if runtime.engine is None:  # no servers: an init's weights are all there is; nothing stores a change
+        if not init:
+            raise ValueError(f"store_push_pull({name!r}): no servers store weights in a job that is not "
+                             f"distributed (one worker without BYTEPS_FORCE_DISTRIBUTED)")
+        return _local_result(array, out)
+    if out is None:
+        out = np.empty(array.shape, array.dtype)
+    send = np.ascontiguousarray(array).reshape(-1)
+    return _submit(runtime, name, "stored weights", array, send, out, array.dtype, priority, None,
+                   store="init" if init else "add", instance=int(instance))
+
+
+def store_push_pull(array: np.ndarray, name: str, init: bool = False, instance: int = 0,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Blocking :func:`store_push_pull_async`: the stored weights after this push."""
+    return synchronize(store_push_pull_async(array, name, init, instance, out))

@@ -24,7 +24,7 @@ from .transport.addresses import INTERFACE_VAR, default_node_host, interface_add
 from .transport.security import JobKeys
 
 ROLES = ("worker", "server", "scheduler")
-TRAINER_MODES = ("gossip", "allreduce", "auto")  # the first is the default
+TRAINER_MODES = ("gossip", "allreduce", "auto", "async")  # the first is the default
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -70,7 +70,8 @@ class Config:
     trace_start: int = 10
     trace_end: int = 20
     trace_dir: str = "."
-    mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS) or auto
+    mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS), auto or async
+    enable_async: bool = False  # BytePS's BYTEPS_ENABLE_ASYNC: mode async, and no other
     auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
     overlap_backward: bool = True  # the plugin's push_pulls run inside MXNet's engine (mxnet_plugin.overlap)
     shm_gradients: bool = True  # the plugin's gradients live in shared memory (mxnet_plugin.shared_gradients)
@@ -221,6 +222,17 @@ def _host_reduce(env: Mapping[str, str]) -> str:
     return raw.lower() if raw.lower() in HOST_REDUCE_MODES else ("on" if raw.lower() in _TRUE else "off")
 
 
+def _mode(env: Mapping[str, str]) -> dict[str, Any]:
+    """BPS_GOSSIP_MODE, and BytePS's BYTEPS_ENABLE_ASYNC=1, which means mode async (a clear error
+    beside another mode)."""
+    mode = _choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES)
+    enable_async = env_flag(env, "BYTEPS_ENABLE_ASYNC", False)
+    if enable_async and _get(env, "BPS_GOSSIP_MODE") is not None and mode != "async":
+        raise ConfigError(f"BYTEPS_ENABLE_ASYNC=1 asks for mode async, BPS_GOSSIP_MODE={mode!r} for another: "
+                          "unset one of them")
+    return {"mode": "async" if enable_async else mode, "enable_async": enable_async}
+
+
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     """The boolean variable ``name`` of ``env`` (1/0, true/false, yes/no, on/off), or ConfigError."""
     raw = env.get(name)
@@ -278,7 +290,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         start_timeout=_float(env, "BPS_GOSSIP_START_TIMEOUT", 600.0),
         use_kubernetes=env_flag(env, "DMLC_USE_KUBERNETES", False),
         **_trace(env),
-        mode=_choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES),
+        **_mode(env),
         auto_window=_int(env, "BPS_GOSSIP_AUTO_WINDOW", 10, minimum=1),
         overlap_backward=env_flag(env, "BPS_GOSSIP_OVERLAP_BACKWARD", True),
         shm_gradients=env_flag(env, "BPS_GOSSIP_SHM_GRADIENTS", True),

@@ -35,6 +35,8 @@ MAX_ELEMENTS = 1 << 40
 MAX_ARRAYS = 1024  # arrays in one gossip message
 ERROR_KINDS = ("mismatch", "lost", "timeout", "protocol", "changed")
 SMALL_PUSH_BYTES = 65536  # pushes up to this size are not acknowledged (and use no credit)
+STORE_OPS = ("init", "add")  # a push to the servers' stored weights (asynchronous training)
+MAX_STORE_INSTANCE = 1 << 31
 
 
 def describe_signature(sig: Mapping[str, Any]) -> str:
@@ -128,9 +130,19 @@ class Push(Message):
     hosted: bool = flag(False)  # a host leader's sum (bps_gossip.host_groups)
     rows: bool = flag(False)  # one row per worker: the server keeps of a push only its sender's row
     root: int | None = optional_integer(0, MAX_NODES)  # a broadcast pushed to a server: it takes only this rank's payload
+    # Asynchronous training (bps_gossip.server.async_store): 'init' starts the stored weights of this
+    # partition (instance ``instance``) from the payload, 'add' adds the payload to them; either way
+    # the reply is the stored weights, at once, with no round.
+    store: str | None = optional_text(8)
+    instance: int = integer(0, MAX_STORE_INSTANCE, 0)
 
     def __post_init__(self) -> None:
         dtype = wire_dtype(self.wire)
+        if self.store is not None:
+            self._check(self.store in STORE_OPS, f"store={self.store!r} is none of {STORE_OPS}")
+            self._check(self.codec is None and not self.hosted and not self.rows and self.root is None,
+                        "a push to the stored weights is not compressed, not a host's sum, not rows, no broadcast")
+            self._check(dtype.kind == "f", f"the stored weights are floats, not {dtype}")
         if self.root is not None:
             self._check(self.codec is None and not self.hosted and not self.rows,
                         "a broadcast is not compressed, not a host's sum, not a rows push")

@@ -26,6 +26,7 @@ from ..protocol.data import held_bytes
 from ..transport.shm import AttachedSegments
 from ..transport.sockets import server_frame_limit
 from .aggregation import Aggregation, Contribution, RoundId
+from .async_store import AsyncStore, StoreRefused
 from .early_pushes import EarlyPushes
 from .holdings import AggregationTable, TensorNames
 from .pool import SumPool
@@ -64,6 +65,7 @@ class Aggregations:
         self.early = EarlyPushes()  # pushes for a generation whose book has not come yet
         self.generation = 0  # elastic: rounds of older generations are failed and dropped
         self.frame_limit = server_frame_limit(config)
+        self.stored = AsyncStore()  # asynchronous training's weights (no rounds)
 
     # -- address books and generations --------------------------------------------
     def take_book(self, book: AddressBook) -> None:
@@ -116,6 +118,9 @@ class Aggregations:
         self.pushes_by_rank[who.rank] += 1
         if who.region is None and payload is not None:
             self.socket_bytes += len(payload)
+        if push.store is not None:
+            self._to_stored_weights(who, push, payload)
+            return
         agg = self._store(who, push, codec)
         if agg is None:
             return
@@ -136,6 +141,21 @@ class Aggregations:
             return
         if push.ack:
             self.reply(who, Ack(req=push.req), ())
+
+    def _to_stored_weights(self, who: Contribution, push: Push, payload: Any) -> None:
+        """Asynchronous training: apply the push to the stored weights and answer with them at once."""
+        data = payload if who.region is not None else payload.buffer
+        try:
+            value = self.stored.push(who.rank, push.store == "init", push.key, push.part, push.name, push.instance,
+                                     push.signature, push.wire, data, push.count)
+        except StoreRefused as exc:
+            self._error(who, exc.kind, str(exc))
+            return
+        if who.region is not None:  # the worker reads the stored weights from its own region
+            who.region[:] = value
+            self.reply(who, Result.made(req=push.req, shm=True), ())
+        else:
+            self.reply(who, Result.made(req=push.req), (value,))
 
     def malformed(self, route: bytes, header: dict[str, Any], error: ProtocolError) -> None:
         """A push that does not decode: its sender waits, so it gets an error (with its req if
@@ -198,7 +218,7 @@ class Aggregations:
         known = self.names.name_of(push.key, push.name)
         if known != push.name:
             return "protocol", f"tensor names {known!r} and {push.name!r} hash to the same key {push.key}; rename one"
-        if self.gone:
+        if self.gone and push.store is None:  # the stored weights wait for nobody: a worker may finish first
             why = "; ".join(self.gone.values())
             return "lost", f"tensor {push.name!r}: {why}; this job is not elastic, so it cannot go on"
         if push.gen < self.generation:

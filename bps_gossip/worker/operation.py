@@ -41,12 +41,15 @@ class Operation:
     segment_base: int = 0  # byte offset of `send` in `segment` (a leased segment: `send` lies in it)
     leased: bool = False  # `segment` is memory the caller holds (SegmentPool.lease): no copies, not released
     codecs: list[dict[str, Any]] | None = None  # compressed: each partition's codec, for the server
+    out_parts: list[tuple[int, int]] | None = None  # where each partition's reply goes in `out`, if not `parts`
     traced: bool = False  # BYTEPS_TRACE_ON and a traced step: stamps[part] is when its stage began
     submitted: float = 0.0
     stamps: dict[int, float] = dataclasses.field(default_factory=dict)
     host_rounds: dict[int, Any] | None = None  # a host leader: its partitions' host rounds (worker.host_reduce)
     rows: bool = False  # gather_rows: one row per worker, each kept by the server from its own sender
     root: int | None = None  # a broadcast's root: the server takes only its payload
+    store: str | None = None  # asynchronous training: 'init' or 'add' to the servers' stored weights
+    instance: int = 0  # which stored weights of the name (bps_gossip.server.async_store)
 
     def stage_in(self, segments: SegmentPool) -> None:
         """Put the payload in shared memory: sent in place from a leased buffer that is also the

@@ -273,6 +273,8 @@ class ServerLinks(LinkFailures, CallerSends):
             header["rows"] = True
         if op.root is not None and way is not Way.HOSTED:  # a host's sum holds every local's push
             header["root"] = op.root
+        if op.store is not None:
+            header["store"], header["instance"] = op.store, op.instance
         self._sent = True
         route = self.hosts.route if target == LEADER else self.routes[server]
         where = op.in_segment(offset)
@@ -310,7 +312,7 @@ class ServerLinks(LinkFailures, CallerSends):
             self.fail_op(entry[0], error_for(msg.kind, f"{msg.why} [on rank {self.rank}]"))
 
     def _store(self, op: Operation, part: int, msg: Result, frames: list[zmq.Frame]) -> None:
-        offset, count = op.parts[part]
+        offset, count = op.parts[part] if op.out_parts is None else op.out_parts[part]
         if count and msg.shm:
             if not op.leased:  # a leased segment is op.out itself: the sum is in place
                 op.out[offset:offset + count] = op.region(offset, count)

@@ -5,6 +5,8 @@
   set by :class:`~.options.GossipOptions`.
 - :class:`~.auto.AutoMode` (``mode='auto'``): one of the two at a time, chosen while
   training from what each costs a step (:mod:`.auto_policy`).
+- :class:`~.async_mode.AsyncMode` (``mode='async'``, or BYTEPS_ENABLE_ASYNC=1): BytePS's
+  asynchronous training, the servers holding the weights.
 
 Both implement :class:`~.base.TrainerMode`. A new mode is one subclass and one entry in
 :data:`MODE_CLASSES` (and its name in ``bps_gossip.config.TRAINER_MODES``, which
@@ -20,15 +22,17 @@ from bps_gossip.compression import CompressionSpec
 from bps_gossip.config import TRAINER_MODES
 
 from .allreduce import AllreduceMode
+from .async_mode import AsyncMode
 from .auto import AutoMode
 from .base import ModeSetup, TrainerMode
 from .gossip import GossipMode
 from .options import GossipOptions
 
-__all__ = ["MODE_CLASSES", "AllreduceMode", "AutoMode", "GossipMode", "GossipOptions", "ModeSetup", "TrainerMode",
+__all__ = ["MODE_CLASSES", "AllreduceMode", "AsyncMode", "AutoMode", "GossipMode", "GossipOptions", "ModeSetup", "TrainerMode",
            "mode_class"]
 
-MODE_CLASSES: dict[str, type[TrainerMode]] = {cls.name: cls for cls in (GossipMode, AllreduceMode, AutoMode)}
+MODE_CLASSES: dict[str, type[TrainerMode]] = {cls.name: cls for cls in (GossipMode, AllreduceMode, AutoMode,
+                                                                                AsyncMode)}
 
 
 def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp16: bool = False
@@ -36,8 +40,12 @@ def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp1
     """The class of ``mode``; ``None``: the job's default (BPS_GOSSIP_MODE, ``bpslaunch --mode``,
     else gossip), except that fp16 without a compressor, which only gradients can use, picks
     allreduce (with a warning). ValueError for a name that is not a mode."""
+    config = core.job_config()
+    if config.enable_async and mode is not None and mode != "async":
+        raise ValueError(f"DistributedTrainer: mode={mode!r} conflicts with BYTEPS_ENABLE_ASYNC=1, which asks for "
+                         "mode='async': unset one of them")
     if mode is None:
-        mode = core.job_config().mode
+        mode = config.mode
         if fp16 and compression is None and mode == "gossip":
             warnings.warn("DistributedTrainer: fp16 applies to pushed gradients, which gossip mode does not "
                           "push: averaging gradients (mode='allreduce') instead", stacklevel=3)

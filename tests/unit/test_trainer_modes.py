@@ -18,6 +18,7 @@ from bps_gossip.gossip.graphs import Ring
 from mxnet_plugin.modes import (
     MODE_CLASSES,
     AllreduceMode,
+    AsyncMode,
     AutoMode,
     GossipMode,
     GossipOptions,
@@ -51,7 +52,7 @@ def test_every_keyword_of_before_is_still_a_keyword():
 
 
 def test_a_bad_mode_is_named():
-    with pytest.raises(ValueError, match=r"mode='bogus' is not one of \('gossip', 'allreduce', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"mode='bogus' is not one of \('gossip', 'allreduce', 'auto', 'async'\)"):
         bps.DistributedTrainer(params(), "sgd", mode="bogus")
     with pytest.raises(ValueError, match="mode=3"):
         bps.DistributedTrainer(params(), "sgd", None, 0, None, 3)
@@ -69,7 +70,7 @@ def test_gossip_options_must_be_gossip_options():
 
 def test_the_modes_are_the_configs_modes():
     assert tuple(MODE_CLASSES) == TRAINER_MODES
-    assert MODE_CLASSES == {"gossip": GossipMode, "allreduce": AllreduceMode, "auto": AutoMode}
+    assert MODE_CLASSES == {"gossip": GossipMode, "allreduce": AllreduceMode, "auto": AutoMode, "async": AsyncMode}
     for cls in MODE_CLASSES.values():
         assert issubclass(cls, TrainerMode) and not inspect.isabstract(cls)
 

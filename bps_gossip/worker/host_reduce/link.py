@@ -100,7 +100,8 @@ class HostLink:
 
     def way(self, op: Operation) -> Way:
         """How ``op``'s partitions go to the servers."""
-        if not self.hosting or op.codecs is not None or op.rows:  # a leader could write into a local's row
+        # rows: a leader could write into a local's row; store: each rank's change goes on its own
+        if not self.hosting or op.codecs is not None or op.rows or op.store is not None:
             return Way.DIRECT
         if self.sock is not None:
             return Way.TO_LEADER
