@@ -15,6 +15,9 @@ from bps_gossip.config import load_config
 from bps_gossip.errors import ConfigError
 from bps_gossip.launch import batch, ssh
 from bps_gossip.launch import hostfile as hosts_mod
+from bps_gossip.launch.discovery import Blacklist, FixedHosts
+from bps_gossip.launch.elastic import ElasticOptions
+from bps_gossip.launch.elastic_hosts import ElasticHostsBackend
 from bps_gossip.transport import addresses
 from bps_gossip.transport.addresses import interface_address, interface_names, launcher_node_host
 
@@ -98,6 +101,18 @@ def test_batch_launcher_leaves_the_address_to_the_interface():
     assert all("DMLC_NODE_HOST" not in p.env for p in batch_plan(slurm_task(1, DMLC_INTERFACE="ib0")))
     mine = batch_plan(slurm_task(1, DMLC_INTERFACE="ib0", DMLC_NODE_HOST="10.1.0.2"))
     assert {p.env["DMLC_NODE_HOST"] for p in mine} == {"10.1.0.2"}  # the user's own address wins over both
+
+
+def test_elastic_joiner_leaves_the_address_to_the_interface():
+    backend = ElasticHostsBackend(FixedHosts(hosts_mod.parse_hosts("h1,h2"), "-H"), 2, ElasticOptions(min_np=1),
+                                  Blacklist(None), env={})
+    backend.secret = "0123456789abcdef" * 2
+    job = {"DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "2"}
+    backend.common = job
+    assert backend.joiner(hosts_mod.Host("h2"), 3).env["DMLC_NODE_HOST"] == "h2"
+    backend.common = {**job, "DMLC_INTERFACE": "lo"}  # checked here too (load_config): lo is on every host
+    env = backend.joiner(hosts_mod.Host("h2"), 3).env
+    assert "DMLC_NODE_HOST" not in env and env["DMLC_INTERFACE"] == "lo"
 
 
 def test_launcher_node_host():
