@@ -170,7 +170,7 @@ def broadcast_async(array: np.ndarray, name: str, root_rank: int = 0,
     so the result is bit-exact for every dtype, -0.0 and NaN payloads included. A server takes
     of the pushes it gets only the root's (it knows the sender from its connection), so no rank
     that pushes to it can add into the root's array; reduced by host first, a host's leader
-    still sums its locals' pushes.
+    passes on only its root's (or zeros), so only a lying leader reaches the sum.
     """
     runtime = current("broadcast")
     check_name(name, "broadcast")

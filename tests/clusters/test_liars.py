@@ -24,13 +24,14 @@ def test_a_rank_cannot_write_into_another_ranks_row(cluster, env):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("env", [{"BPS_GOSSIP_HOST_REDUCE": "off"}, {"BPS_GOSSIP_SHM": "0"}],
-                         ids=["shm-to-servers", "zmq"])
+@pytest.mark.parametrize("env", [{"BPS_GOSSIP_HOST_REDUCE": "off"}, {"BPS_GOSSIP_SHM": "0"},
+                                 {"BPS_GOSSIP_HOST_REDUCE": "on"}],
+                         ids=["shm-to-servers", "zmq", "host-reduce"])
 def test_a_rank_cannot_add_into_a_broadcast(cluster, env):
     """A non-root rank used to push zeros that the servers summed: pushing anything else changed
     every rank's copy of the root's array (the model broadcast at the first step). The servers
-    now take only the root's payload. (Reduced by host first, a host's leader still sums its
-    locals' pushes: not covered yet.)"""
+    now take only the root's payload, and so does a host's leader of its locals' pushes (the
+    liar is a local of rank 0's host); a leader that lies itself still reaches the servers' sum."""
     job = cluster(3, 1, env)
     done = job.run_job("liars_job", "broadcast")
     assert_all_ok(done, job)

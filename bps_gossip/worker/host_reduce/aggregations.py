@@ -4,9 +4,10 @@ workers of this host push to it, summed with its own before one push goes to the
 A local worker pushes a partition to its leader's peer socket exactly as it would push to a
 server on this host: a ``Push`` header naming a region of its own shared-memory segment.
 The leader keeps a host round per (generation, tensor, partition, round); once its own
-partition and every local's are in (with the same dtype, shape and operation), it adds the
-locals' regions into its own staged copy and pushes that sum to the servers marked
-``hosted``. The servers' result goes into the leader's output and into every local's region,
+partition and every local's are in (with the same dtype, shape, operation and broadcast root),
+it adds the locals' regions into its own staged copy and pushes that sum to the servers marked
+``hosted``; for a broadcast the host's "sum" is its root's region alone, or zeros where the
+root is on another host, so no local can add into the root's array. The servers' result goes into the leader's output and into every local's region,
 and each local hears ``Result(shm=True)``, so a local's push_pull costs it one copy in and one
 copy out, as with a server on its host.
 
@@ -67,6 +68,10 @@ def host_route(uid: bytes, generation: int) -> bytes:
 HostRoundId = tuple  # (generation, key, partition, round)
 
 
+def _as_root(root: int | None) -> str:
+    return "a sum" if root is None else f"a broadcast from root {root}"
+
+
 @dataclasses.dataclass(eq=False)
 class LocalPush:
     """One local worker's partition: the connection and request to answer, its region."""
@@ -82,7 +87,8 @@ class HostAggregation:
 
     rid: HostRoundId
     name: str
-    terms: tuple[dict[str, Any], str, int]  # the first push's (signature, wire dtype, count): all must agree
+    terms: tuple[dict[str, Any], str, int, int | None]  # the first push's (signature, wire dtype, count,
+    # broadcast root): all must agree
     first: int  # the rank that set ``terms``
     created: float
     locals: dict[int, LocalPush] = dataclasses.field(default_factory=dict)
@@ -143,7 +149,7 @@ class HostAggregations:
             self._reply(route, Error(req=push.req, kind="protocol", why=f"malformed push to the host leader: {exc}"))
             return
         rid = (push.gen, push.key, push.part, push.seq)
-        agg = self._round(rid, push.name, (push.signature, push.wire, push.count), rank)
+        agg = self._round(rid, push.name, (push.signature, push.wire, push.count, push.root), rank)
         if agg is None:
             self._reply(route, Error(req=push.req, kind="protocol",
                                      why=f"host leader {self.rank} has {len(self.rounds)} rounds open"))
@@ -156,14 +162,14 @@ class HostAggregations:
         agg.locals[rank] = LocalPush(route, push.req, region)
         if push.ack and agg.error is None:
             self._reply(route, Ack(req=push.req))
-        self._agree(agg, rank, (push.signature, push.wire, push.count))
+        self._agree(agg, rank, (push.signature, push.wire, push.count, push.root))
         self._advance(agg)
 
     def own(self, op: Operation, part: int) -> None:
         """The leader's own partition is ready (its staged copy holds its data)."""
         offset, count = op.parts[part]
         rid = (self.generation, op.key, part, op.seq)
-        agg = self._round(rid, op.name, (op.sig, op.send.dtype.str, count), self.rank)
+        agg = self._round(rid, op.name, (op.sig, op.send.dtype.str, count, op.root), self.rank)
         if agg is None:
             self.fail_own(op, ProtocolError(f"push_pull {op.name!r}: host leader {self.rank} has "
                                             f"{len(self.rounds)} rounds open"))
@@ -175,10 +181,10 @@ class HostAggregations:
         if op.host_rounds is None:
             op.host_rounds = {}
         op.host_rounds[part] = agg
-        self._agree(agg, self.rank, (op.sig, op.send.dtype.str, count))
+        self._agree(agg, self.rank, (op.sig, op.send.dtype.str, count, op.root))
         self._advance(agg)
 
-    def _round(self, rid: HostRoundId, name: str, terms: tuple[dict[str, Any], str, int],
+    def _round(self, rid: HostRoundId, name: str, terms: tuple[dict[str, Any], str, int, int | None],
                rank: int) -> HostAggregation | None:
         agg = self.rounds.get(rid)
         if agg is None:
@@ -187,13 +193,18 @@ class HostAggregations:
             agg = self.rounds[rid] = HostAggregation(rid, name, terms, rank, time.monotonic())
         return agg
 
-    def _agree(self, agg: HostAggregation, rank: int, terms: tuple[dict[str, Any], str, int]) -> None:
+    def _agree(self, agg: HostAggregation, rank: int, terms: tuple[dict[str, Any], str, int, int | None]) -> None:
         """Fail the round if ``rank``'s push disagrees with the first one."""
         if agg.error is not None or (terms[0] == agg.terms[0] and np.dtype(terms[1]) == np.dtype(agg.terms[1])
-                                     and terms[2] == agg.terms[2]):
+                                     and terms[2:] == agg.terms[2:]):
             return
-        why = (f"tensor {agg.name!r}: rank {agg.first} pushed {describe_signature(agg.terms[0])} but rank {rank} "
-               f"pushed {describe_signature(terms[0])}; every rank must push the same shape, dtype and operation")
+        if terms[:3] == agg.terms[:3]:
+            why = (f"tensor {agg.name!r}: rank {agg.first} pushed it as {_as_root(agg.terms[3])} but rank {rank} "
+                   f"as {_as_root(terms[3])}; every rank must name the same root")
+        else:
+            why = (f"tensor {agg.name!r}: rank {agg.first} pushed {describe_signature(agg.terms[0])} but rank "
+                   f"{rank} pushed {describe_signature(terms[0])}; every rank must push the same shape, dtype and "
+                   "operation")
         if not agg.sent:  # the other hosts' ranks must hear it too, not wait for this host's sum
             agg.sent = True
             # Both signatures in the text: the other hosts' ranks learn what this host's disagree on.
@@ -227,7 +238,13 @@ class HostAggregations:
             return
         mine = op.region(offset, count)
         regions = [local.region for local in agg.locals.values()]
-        add_into(mine, regions)
+        root = agg.terms[3]
+        if root is None:
+            add_into(mine, regions)
+        elif root in agg.locals:  # a broadcast: the host's sum is its root's bits, whatever the others pushed
+            copy_to(agg.locals[root].region, [mine])
+        elif root != self.rank:
+            mine.fill(0)  # the root is on another host: this one adds nothing (as the servers take it)
         if self.finish:  # one pass over the sum (block by block) fills the output and every local
             copy_to(mine, regions if op.leased else [op.out[offset:offset + count], *regions])  # leased: mine is out
             agg.spread = True
