@@ -1,29 +1,23 @@
 """Which secure handshakes a server completes: connections bounded in total, per key, and for keys
 that are in no address book.
 
-Every holder of the job's secret completes the handshake, and each connection costs the server
-ZeroMQ's session and CURVE state (about 44 KiB idle, measured on this project's 2-core VM with
-1,000 idle connections: +43 MiB), so one holder that opens connections without end could grow
-the server's memory without end. The server's ZAP handler therefore asks a gate
-(:func:`~.security.set_admission`) for each new connection, with the client's public key:
+Each connection costs a server ZeroMQ's session and CURVE state (about 44 KiB idle: 1,000 idle
+connections grew one by 43 MiB on this project's 2-core VM), and every holder of the secret
+completes the handshake. So the server's ZAP handler asks a gate (:func:`~.security.set_admission`)
+about each new connection's public key:
 
-- a key that is in no address book (a stranger, or a member the server has no book for yet,
-  such as a joiner of the next generation) is admitted while the server holds fewer than
-  ``members + STRANGER_CONNECTIONS`` live connections;
+- a key in no address book (a stranger, or a joiner the server has no book for yet) is admitted
+  while the server holds fewer than ``members + STRANGER_CONNECTIONS`` live connections;
 - a member's key while it holds fewer than ``MEMBER_CONNECTIONS x members + STRANGER_CONNECTIONS``;
-- and no key more than KEY_HANDSHAKES times in KEY_SECONDS (a member connects once to each
-  server; ZeroMQ reconnects after a lost link, one handshake each time).
+- and no key more than KEY_HANDSHAKES times in KEY_SECONDS (a member connects once to a server,
+  and once more after each lost link).
 
-Live connections are those that completed the handshake and are not yet disconnected, counted
-from the bound socket's monitor (:class:`~.security.FailedHandshakes`), plus those admitted in
-the last IN_FLIGHT_SECONDS that the monitor has not reported complete yet (it reports a
-handshake after the gate admitted it: without these, a burst of connections would all pass
-before the first is counted; an admitted one that fails anyway stops counting after that time).
-Connections still in their handshake do not count, so a process without the secret cannot make
-members be refused. libzmq says which descriptor closed, never which key it had, so "per key"
-is the rate of new handshakes, and the total bounds what that rate can accumulate. A refused
-client's ZeroMQ keeps retrying; a member refused for a moment gets in once the count falls or
-its key is in the book.
+Live: completed handshakes not yet disconnected (the socket's monitor,
+:class:`~.security.FailedHandshakes`), plus admissions of the last IN_FLIGHT_SECONDS the monitor
+has not reported complete (else a burst would pass before the first is counted). Connections
+still in their handshake do not count: a process without the secret cannot get members refused.
+libzmq says which descriptor closed, never its key, so "per key" is a rate of handshakes and the
+total bounds what it accumulates. A refused client's ZeroMQ retries later.
 """
 
 from __future__ import annotations
