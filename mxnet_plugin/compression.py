@@ -10,21 +10,27 @@ natural) and ``normalize`` (max, l2) for dithering, and ``fp16`` (push float16).
 or false values mean off, so BytePS's examples, which always pass every key, run
 uncompressed when asked for nothing. Any other key is an error (a misspelled key would
 otherwise train uncompressed without a word).
+
+MXNet's own form, ``{'type': '2bit', 'threshold': 0.5}`` (``kv.set_gradient_compression``,
+``gluon.Trainer`` and ``Module``'s ``compression_params``), is read by
+:func:`parse_mxnet_compression`; DistributedTrainer takes either form.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import mxnet as mx
 import numpy as np
 
-from bps_gossip.compression import CODECS, CompressionSpec
+from bps_gossip.compression import CODECS, DEFAULT_THRESHOLD, CompressionSpec
 
 # Every key byteps.mxnet's DistributedTrainer reads from compression_params (and nothing else).
 KNOWN_KEYS = ("compressor", "ef", "momentum", "scaling", "k", "seed", "partition", "normalize", "fp16")
+MXNET_KEYS = ("type", "threshold")  # MXNet's compression_params (GradientCompressionParam)
 _CHOICES = {"ef": ("vanilla",), "momentum": ("nesterov",), "partition": ("linear", "natural"),
             "normalize": ("max", "l2")}
 
@@ -83,9 +89,58 @@ def check_keys(params: Mapping[Any, Any]) -> None:
                          f"known keys: {', '.join(KNOWN_KEYS)}")
 
 
+def mxnet_types() -> dict[str, str]:
+    """MXNet's compression ``type`` -> the codec's name in CODECS."""
+    return {cls.mxnet_type: name for name, cls in CODECS.items() if cls.mxnet_type}
+
+
+def _mxnet_threshold(value: Any, where: str) -> float:
+    """MXNet hands every value to C++ as text and parses a float from it: a number, or a
+    string holding one, is a threshold; anything else (a bool, None, 'abc') is not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, np.floating, np.integer)):
+        raise TypeError(f"{where}: threshold={value!r} must be a number, not {type(value).__name__}")
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise TypeError(f"{where}: threshold={value!r} must be a number") from None
+    if not math.isfinite(threshold):
+        raise ValueError(f"{where}: threshold={value!r} must be a finite number")
+    return threshold
+
+
+def parse_mxnet_compression(params: Any, where: str = "set_gradient_compression") -> CompressionSpec:
+    """The spec of MXNet's ``compression_params`` (``{'type': '2bit', 'threshold': 0.5}``, as
+    ``kv.set_gradient_compression``, gluon.Trainer and Module take it). ``type`` is required;
+    ``threshold`` defaults to 0.5 as in MXNet; 2bit needs it above 0, 1bit takes any finite
+    number (MXNet 2.0's rules). Unlike MXNet, which ignores keys it does not know, any other
+    key is an error: a misspelled ``treshold`` would otherwise train with 0.5."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{where}: compression_params must be a dict such as {{'type': '2bit', 'threshold': 0.5}}, "
+                        f"got {type(params).__name__}")
+    types = mxnet_types()
+    unknown = [key for key in params if key not in MXNET_KEYS]
+    if unknown:
+        hints = [f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                 for key in unknown
+                 for close in [difflib.get_close_matches(str(key).lower(), MXNET_KEYS, n=1)]]
+        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)} in MXNet's "
+                         f"compression_params; known keys: {', '.join(MXNET_KEYS)}")
+    kind = params.get("type")
+    if kind not in types:
+        what = "has no 'type'" if "type" not in params else f"['type']={kind!r} is not a type of gradient compression"
+        known = ", ".join(repr(t) for t in sorted(types, reverse=True))
+        raise ValueError(f"{where}: compression_params {what}; MXNet's types are {known}")
+    threshold = _mxnet_threshold(params["threshold"], where) if "threshold" in params else DEFAULT_THRESHOLD
+    try:
+        return CompressionSpec(types[kind], threshold=threshold)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params: dict[str, Any]
                              ) -> tuple[CompressionSpec | None, bool]:
-    """(compressor spec or None, fp16) from BytePS's ``compression_params``.
+    """(compressor spec or None, fp16) from BytePS's ``compression_params``, or from MXNet's
+    (a dict with ``type``: :func:`parse_mxnet_compression`).
 
     With ``momentum='nesterov'`` the optimizer's ``momentum`` moves into the spec: it is
     removed from ``optimizer_params`` (changed in place), as BytePS does.
@@ -94,6 +149,8 @@ def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params:
         return None, False
     if not isinstance(params, Mapping):
         raise TypeError(f"compression_params must be a dict, got {type(params).__name__}")
+    if "type" in params:
+        return parse_mxnet_compression(params, "compression_params"), False
     check_keys(params)
     fp16 = bool(params.get("fp16"))
     compressor = _text(params, "compressor")
@@ -105,6 +162,9 @@ def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params:
         return None, fp16
     if compressor not in CODECS:
         raise ValueError(f"compression_params['compressor']={compressor!r} is not one of {', '.join(CODECS)}")
+    if CODECS[compressor].mxnet_type:
+        raise ValueError(f"compression_params: {compressor} is MXNet's; write it as MXNet does: "
+                         f"{{'type': {CODECS[compressor].mxnet_type!r}, 'threshold': 0.5}}")
     mu = None
     if momentum:
         if "momentum" not in optimizer_params:

@@ -30,11 +30,20 @@ import numpy as np
 
 import bps_gossip as core
 from bps_gossip.compat import zip_exact
+from bps_gossip.compression import CompressionSpec
 
+from .compression import parse_mxnet_compression
 from .kvstore_fusion import Call, StepFusion, teach_trainer_and_module
 from .ops import broadcast_async, finish_push_pull, to_host
 from .optimizer import refuse_in_elastic_job
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error, wait_to_read
+from .unsupported import (
+    SERVER_OPTIMIZER,
+    SPARSE,
+    refuse_sparse,
+    refuse_sparse_arrays,
+    refuse_update_on_kvstore,
+)
 
 NAME = "bpsgossip"
 TYPE = "dist_sync_" + NAME
@@ -61,11 +70,31 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
         self.overlap_backward = enabled_by_default()
         self._fusion = StepFusion("kvstore_", self._push_pull_alone)
+        self._compression: CompressionSpec | None = None
 
     @property
     def fusion(self) -> StepFusion:
         """How this store fuses a step's keys (its ``buckets`` and lone keys), for tests and tools."""
         return self._fusion
+
+    @property
+    def gradient_compression(self) -> CompressionSpec | None:
+        """What :meth:`set_gradient_compression` set (None: uncompressed)."""
+        return self._compression
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """MXNet's gradient compression, ``{'type': '2bit', 'threshold': 0.5}`` or ``'1bit'``, with
+        MXNet's semantics (docs/compression.md): each worker keeps a residual per key, adds the
+        gradient to it, pushes the quantized residual (2 or 1 bits a value) and keeps the rest;
+        the servers sum the dequantized pushes and every worker pulls that float32 sum.
+        gluon.Trainer and Module call this with their ``compression_params``. Every rank must set
+        the same; every float32 gradient is compressed, whatever its size; other dtypes are
+        refused, as MXNet refuses them. Compressed sums take the host path (no fusion)."""
+        self._compression = parse_mxnet_compression(compression_params, f"{NAME}.set_gradient_compression")
+
+    @property
+    def _on_host(self) -> bool:
+        return not self.overlap_backward or self._compression is not None
 
     @property
     def type(self) -> str:
@@ -129,7 +158,9 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         (:mod:`mxnet_plugin.kvstore_fusion`)."""
         targets = self._keys_values(key, value if out is None else out)
         values = dict(self._keys_values(key, value))
-        if self.overlap_backward:
+        for k, arrays in values.items():
+            refuse_sparse_arrays(arrays, f"{NAME} key {k!r}")
+        if not self._on_host:
             # The caller's arrays may still be being computed, and MXNet allocates such an array's
             # memory when it runs: taking its address from here first would allocate it twice.
             # (gluon.Trainer and Module come through pushpull_step with gradients that exist.)
@@ -149,7 +180,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         """Sum each ``(key, arrays, priority)`` over workers in place: a whole step's gradients, as
         gluon.Trainer and Module hand them over, fused into few messages when summing in
         MXNet's engine (``owners``: gluon.Trainer's parameters of the gradients, see StepFusion)."""
-        if self.overlap_backward:
+        if not self._on_host:
             self._fusion.pushpull(calls, owners)
         else:
             self._pushpull_on_host([(key, arrays, arrays, priority) for key, arrays, priority in calls])
@@ -161,9 +192,9 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         raise_pending_error()
         pending = []
         for key, sources, dests, priority in calls:
-            host = _local_sum(sources)
+            host = self._host_sum(key, sources)
             pending.append(((core.push_pull_async(host, self._name(key), average=False, priority=priority,
-                                                  out=host), host), dests))
+                                                  out=host, compression=self._compression), host), dests))
         for started, dests in pending:
             finish_push_pull(started, dests)
 
@@ -173,9 +204,9 @@ class BpsGossip(mx.kvstore.KVStoreBase):
         for k, values in self._keys_values(key, value):
             if k in self._pending:
                 raise ValueError(f"{self.type}: key {k!r} was pushed twice without a pull")
-            host = _local_sum(values)
+            host = self._host_sum(k, values)
             self._pending[k] = (core.push_pull_async(host, self._name(k), average=False, priority=priority,
-                                                     out=host), host)
+                                                     out=host, compression=self._compression), host)
 
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Write the sum started by :meth:`push` into ``out``."""
@@ -185,9 +216,21 @@ class BpsGossip(mx.kvstore.KVStoreBase):
                 raise ValueError(f"{self.type}: pull of key {k!r} without a push before it")
             finish_push_pull(started, dests)
 
+    def _host_sum(self, key: Any, arrays: list[mx.nd.NDArray]) -> np.ndarray:
+        """This worker's sum of ``arrays`` on the host, after the checks a compressed push needs."""
+        refuse_sparse_arrays(arrays, f"{NAME} key {key!r}")
+        if self._compression is not None and arrays[0].dtype != np.float32:
+            raise TypeError(f"{NAME} key {key!r}: gradient compression ({self._compression.describe()}) takes "
+                            f"float32 arrays only, as in MXNet; this one is {np.dtype(arrays[0].dtype).name}")
+        return _local_sum(arrays)
+
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> None:
+        """Not supported: the servers hold no weights and sum dense arrays only."""
+        raise NotImplementedError(f"{NAME}.row_sparse_pull: {NAME} {SPARSE}")
+
     def set_optimizer(self, optimizer: Any) -> None:
         """Not supported: there is no server-side optimizer (is_capable('optimizer') is False)."""
-        raise NotImplementedError(f"{self.type} has no server-side optimizer; use update_on_kvstore=False")
+        raise NotImplementedError(f"{NAME}.set_optimizer: {NAME} {SERVER_OPTIMIZER}")
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
         """Not supported (optimizer states live in the trainer)."""
@@ -263,8 +306,32 @@ def _teach_gradient_scaling() -> None:
         setattr(cls, method, as_dist_sync)
 
 
+def _teach_trainer_refusals() -> None:
+    """Make gluon.Trainer refuse, when it is built for our store, what the store cannot do
+    (update_on_kvstore=True, sparse parameters) and compression_params it would refuse. MXNet itself would notice only at the first
+    step, the first with a message about another class, the second as 'multi-device training'."""
+    original = mx.gluon.Trainer.__init__
+    if getattr(original, "_bps_gossip", False):
+        return
+
+    def init(self: mx.gluon.Trainer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        config = getattr(self, "_kvstore_params", {})
+        store = config.get("kvstore")
+        if isinstance(store, BpsGossip) or (isinstance(store, str) and store.lower() == NAME):
+            refuse_update_on_kvstore(config.get("update_on_kvstore"), f"gluon.Trainer(kvstore={NAME!r})")
+            refuse_sparse(self._params, f"gluon.Trainer(kvstore={NAME!r})")
+            if self._compression_params:  # MXNet reads them at the first step; a bad one fails here
+                parse_mxnet_compression(self._compression_params, f"gluon.Trainer(kvstore={NAME!r})")
+
+    functools.update_wrapper(init, original)
+    init._bps_gossip = True
+    mx.gluon.Trainer.__init__ = init
+
+
 _setting_up_scaling = threading.local()  # depth > 0: Module or FeedForward is deciding its gradient scaling
 _teach_create_kvstore()
 _teach_initialize_kvstore()
 _teach_gradient_scaling()
+_teach_trainer_refusals()
 teach_trainer_and_module(BpsGossip)

@@ -50,6 +50,11 @@ class Codec:
 
     name: ClassVar[str] = ""
     needs_k: ClassVar[bool] = False  # the user must give k (mxnet_plugin's compression_params)
+    # MXNet's quantizers (thresholds.py) differ from BytePS's compressors in three ways:
+    keeps_residual: ClassVar[bool] = False  # workers always run error feedback (the quantizer's residual)
+    pulls_sum: ClassVar[bool] = False  # the server sends the float32 sum, not the sum compressed again
+    any_size: ClassVar[bool] = False  # compresses float tensors below BYTEPS_MIN_COMPRESS_BYTES too
+    mxnet_type: ClassVar[str] = ""  # the `type` of MXNet's compression_params that selects it, if any
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -96,6 +101,15 @@ class Codec:
     def decompress(self, data: np.ndarray) -> np.ndarray:
         """``nbytes`` uint8 -> n float32."""
         raise NotImplementedError
+
+    @property
+    def result_nbytes(self) -> int:
+        """Bytes of what the server sends back for a partition."""
+        return 4 * self.n if self.pulls_sum else self.nbytes
+
+    def decode_result(self, data: np.ndarray) -> np.ndarray:
+        """``result_nbytes`` uint8 from the server -> n float32."""
+        return data.view(np.float32).copy() if self.pulls_sum else self.decompress(data)
 
     def variance(self) -> float | None:
         """omega of an unbiased codec whose error may exceed what it compresses

@@ -5,6 +5,8 @@ Worker, for each partition of a large enough float tensor: Nesterov momentum
 e = p - D(c)``), then the compressor. Server: decompress every push, sum, error feedback
 on the sum when enabled, compress the merged result once; every worker gets the same
 bytes and decompresses them. So each rank sees ``D(C_s(EF_s(sum_i D(C_i(EF_i(mom_i(g_i)))))))``.
+MXNet's quantizers (thresholds.py) keep error feedback on the worker and none on the server,
+which sends the float32 sum: ``sum_i D(C_i(EF_i(g_i)))``, as MXNet's dist_sync does.
 
 Error feedback here has no learning-rate correction (BytePS rescales the error by the
 ratio of the last two learning rates, read from a file): with a constant learning rate
@@ -43,6 +45,7 @@ class CompressionSpec:
     seed: int | None = None
     natural: bool = False  # dithering partition: linear or natural
     l2: bool = False  # dithering normalize: max or l2
+    threshold: float | None = None  # MXNet's 2bit and 1bit (thresholds.py); None: MXNet's default
 
     def __post_init__(self) -> None:
         if self.compressor not in CODECS:
@@ -50,11 +53,18 @@ class CompressionSpec:
         if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not self.k > 0 \
                 or not np.isfinite(self.k):
             raise ValueError(f"k={self.k!r} must be a positive number")
+        if self.threshold is not None and not CODECS[self.compressor].mxnet_type:
+            raise ValueError(f"{self.compressor}: takes no threshold (threshold={self.threshold!r})")
         CODECS[self.compressor].check_spec(self)
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise ValueError(f"momentum mu={self.momentum!r} must be in [0, 1)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer")
+
+    def compresses(self, nbytes: int, min_compress_bytes: int) -> bool:
+        """Whether a float tensor of ``nbytes`` is compressed: from BYTEPS_MIN_COMPRESS_BYTES up, as
+        in BytePS, or at any size for a codec that says so (MXNet's quantizers)."""
+        return nbytes >= min_compress_bytes or CODECS[self.compressor].any_size
 
     def count(self, n: int) -> int:
         """topk/randomk: the elements kept of a partition of ``n``."""
@@ -76,13 +86,15 @@ class CompressionSpec:
 
     def describe(self) -> str:
         """Text for signatures and errors: ranks must agree on it."""
-        parts = [self.compressor, f"k={self.k:g}"]
+        parts = [self.compressor] if CODECS[self.compressor].mxnet_type else [self.compressor, f"k={self.k:g}"]
         parts += [name for name, on in (("scaling", self.scaling), ("ef", self.ef), ("natural", self.natural),
                                         ("l2", self.l2)) if on]
         if self.momentum is not None:
             parts.append(f"nesterov={self.momentum:g}")
         if self.seed is not None:
             parts.append(f"seed={self.seed}")
+        if self.threshold is not None:
+            parts.append(f"threshold={self.threshold!r}")
         return " ".join(parts)
 
 
@@ -109,13 +121,17 @@ def compress_on_worker(spec: CompressionSpec, codec: Codec, grad: np.ndarray, st
         state.momentum *= np.float32(spec.momentum)
         state.momentum += g
         g += np.float32(spec.momentum) * state.momentum
-    return _with_feedback(spec.ef, codec, g, state, rng)
+    # MXNet's residual is this error feedback (thresholds.py): on whatever ``ef`` says.
+    return _with_feedback(spec.ef or codec.keeps_residual, codec, g, state, rng)
 
 
 def merge_on_server(ef: bool, codec: Codec, total: np.ndarray, state: PartitionState,
                     rng: np.random.Generator) -> np.ndarray:
     """Error feedback (if on) and compression of a round's float32 sum, which it may change
-    (the round is over); returns the bytes every worker gets."""
+    (the round is over); returns the bytes every worker gets: for a codec that ``pulls_sum``,
+    the float32 sum itself (MXNet's servers compress nothing they send)."""
+    if codec.pulls_sum:
+        return np.ascontiguousarray(total, dtype=np.float32).view(np.uint8)
     return _with_feedback(ef, codec, total, state, rng)
 
 

@@ -80,8 +80,8 @@ def wire(header):
 
 
 def test_registry_order_and_names():
-    assert list(CODECS) == ["onebit", "topk", "randomk", "dithering"]
-    assert ", ".join(CODECS) == "onebit, topk, randomk, dithering" and "topk" in CODECS
+    assert list(CODECS) == ["onebit", "topk", "randomk", "dithering", "2bit", "1bit"]  # BytePS's, then MXNet's
+    assert ", ".join(CODECS) == "onebit, topk, randomk, dithering, 2bit, 1bit" and "topk" in CODECS
     assert all(issubclass(cls, Codec) and cls.name == name for name, cls in CODECS.items())
     assert [name for name, cls in CODECS.items() if cls.needs_k] == ["topk", "randomk", "dithering"]
 
@@ -102,7 +102,7 @@ def test_register_codec_refuses_what_cannot_work():
         with pytest.raises(ValueError):
             register_codec(cls)
     assert register_codec(CODECS["topk"]) is CODECS["topk"]  # the same class again: no change
-    assert list(CODECS) == ["onebit", "topk", "randomk", "dithering"]
+    assert list(CODECS) == ["onebit", "topk", "randomk", "dithering", "2bit", "1bit"]
 
 
 def test_a_registered_codec_runs_end_to_end_in_process(sign_codec):
@@ -192,8 +192,11 @@ def test_every_codec_rejects_bad_header_fields(name):
     header = spec.header(n)
     own = spec.codec(n).header_fields()
     assert name == "onebit" or own  # the other codecs have settings to check
+    bad_values = (MISSING, "x", -1, 1 << 40, 0.5, None, [1])
+    if CODECS[name].mxnet_type:  # k is a float threshold: any finite number (1bit), above 0 (2bit)
+        bad_values = (MISSING, "x", None, [1], True, float("nan"), float("inf")) + ((-1, 0.0) if name == "2bit" else ())
     for key in own:
-        for bad in (MISSING, "x", -1, 1 << 40, 0.5, None, [1]):
+        for bad in bad_values:
             changed = {k: v for k, v in header.items() if k != key}
             if bad is not MISSING:
                 changed[key] = bad
