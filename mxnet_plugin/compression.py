@@ -137,6 +137,19 @@ def parse_mxnet_compression(params: Any, where: str = "set_gradient_compression"
         raise ValueError(f"{where}: {exc}") from None
 
 
+def mode_for_compression(mode: str | None, spec: CompressionSpec | None) -> str | None:
+    """DistributedTrainer's mode under ``spec``: MXNet's quantizers compress gradients through the
+    servers, as in MXNet, so they pick allreduce (a job's default gossip mode would quantize its
+    model messages against a threshold meant for gradients); another explicit mode is an error."""
+    if spec is None or not CODECS[spec.compressor].mxnet_type:
+        return mode
+    if mode not in (None, "allreduce"):
+        raise ValueError(f"DistributedTrainer: MXNet's {spec.compressor} compression_params compress gradients, "
+                         f"which mode={mode!r} does not push: use mode='allreduce' (the default with them), or "
+                         f"BytePS's compressors ('compressor') for compressed gossip")
+    return "allreduce"
+
+
 def parse_compression_params(params: Mapping[str, Any] | None, optimizer_params: dict[str, Any]
                              ) -> tuple[CompressionSpec | None, bool]:
     """(compressor spec or None, fp16) from BytePS's ``compression_params``, or from MXNet's

@@ -12,7 +12,7 @@ import mxnet as mx
 
 import bps_gossip as core
 
-from .compression import parse_compression_params
+from .compression import mode_for_compression, parse_compression_params
 from .modes import GossipOptions, ModeSetup, TrainerMode, mode_class
 from .modes.base import step_loss
 from .parameters import (
@@ -76,7 +76,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         given_optimizer_params = dict(optimizer_params or {})
         compressed_optimizer_params = dict(given_optimizer_params)
         compression, fp16 = parse_compression_params(compression_params, compressed_optimizer_params)
-        cls = mode_class(mode, compression, fp16)
+        cls = mode_class(mode_for_compression(mode, compression), compression, fp16)
         self.root_rank = check_root_rank(root_rank, "DistributedTrainer")
         given = _given_params(params)
         refuse_sparse(given, "DistributedTrainer")

@@ -108,6 +108,16 @@ def test_gluon_trainer_with_2bit_compression_params(cluster):
 
 
 @pytest.mark.timeout(120)
+def test_distributed_trainer_takes_mxnets_dict(cluster):
+    job = cluster(2, 1, {"OMP_NUM_THREADS": "1"})
+    done = job.run_job("mxnet_gradient_compression_job", "distributed", timeout=100)
+    assert_all_ok(done, job)
+    for result in results_by_rank(done):
+        assert result["failures"] == [], result["failures"]
+        assert result["mode"] == "allreduce" and result["quantized"] > 50, result
+
+
+@pytest.mark.timeout(120)
 def test_module_with_2bit_compression_params(cluster):
     job = cluster(2, 1, {"OMP_NUM_THREADS": "1"})
     done = job.run_job("mxnet_gradient_compression_job", "module", timeout=100)

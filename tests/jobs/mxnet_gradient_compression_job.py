@@ -2,8 +2,8 @@
 
 - ``kv STORE TYPE THRESHOLD``: kv.set_gradient_compression, init, then push/pull of known vectors
   for a few steps; run on our store and on MXNet's own dist_sync, the pulled sums must agree.
-- ``trainer`` / ``module``: gluon.Trainer(kvstore='bpsgossip', compression_params=...) and
-  Module(compression_params=...) train; every rank gathers every rank's raw gradients
+- ``trainer`` / ``module`` / ``distributed``: gluon.Trainer(kvstore='bpsgossip', compression_params=...),
+  Module(compression_params=...) and DistributedTrainer train; every rank gathers every rank's raw gradients
   (uncompressed, gather_rows) and checks that the summed gradient it got is MXNet's 2bit sum
   computed by hand (residual carried), and that the server received 2 bits a value.
 - ``errors``: bad settings and what is not supported, refused on every rank.
@@ -75,16 +75,16 @@ def _batch(rank, step):
 class Expected:
     """Every rank's residual per parameter, and the check of one step's summed gradients."""
 
-    def __init__(self, names, rank, size):
+    def __init__(self, names, rank, size, threshold=THRESHOLD):
         self.residual = {(r, n): 0 for r in range(size) for n in names}
-        self.rank, self.size, self.quantized = rank, size, 0
+        self.rank, self.size, self.threshold, self.quantized = rank, size, threshold, 0
 
     def check(self, label, names, raw, summed):
         for name in names:
             rows = core.gather_rows(raw[name].reshape(-1), f"raw.{label}.{name}")  # every rank's raw gradient
             total = np.zeros(rows.shape[1], np.float32)
             for r in range(self.size):
-                sent, self.residual[r, name] = mxnet_2bit(self.residual[r, name], rows[r], THRESHOLD)
+                sent, self.residual[r, name] = mxnet_2bit(self.residual[r, name], rows[r], self.threshold)
                 total += sent
             self.quantized += int(np.count_nonzero(total))
             got = summed[name].reshape(-1)
@@ -134,6 +134,30 @@ def trainer():
     bps.shutdown()
 
 
+def distributed():
+    """DistributedTrainer with MXNet's dict: allreduce, gradients divided by batch x workers first
+    (as for BytePS's compressors), then MXNet's 2bit with its residual."""
+    bps.init()
+    mx.random.seed(3)
+    net = _net()
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                     compression_params={"type": "2bit", "threshold": THRESHOLD / 10})
+    params = net.collect_params()
+    names = sorted(params)
+    expected = Expected(names, bps.rank(), bps.size(), THRESHOLD / 10)
+    scale = np.float32(BATCH * bps.size())
+    for step in range(STEPS):
+        data, label = _batch(bps.rank(), step)
+        with mx.autograd.record():
+            loss = mx.gluon.loss.SoftmaxCrossEntropyLoss()(net(data), label)
+        loss.backward()
+        raw = {n: params[n].grad().asnumpy() / scale for n in names}
+        trainer.step(BATCH)
+        expected.check(f"step {step}", names, raw, {n: params[n].grad().asnumpy() for n in names})
+    report({"rank": bps.rank(), "failures": failures, "quantized": expected.quantized, "mode": trainer.mode})
+    bps.shutdown()
+
+
 def module():
     bps.init()
     mod = mx.mod.Module(symbol(), context=mx.cpu(), compression_params={"type": "2bit", "threshold": THRESHOLD})
@@ -179,6 +203,10 @@ def _bad_compression(bps):
     name, message = raises(Exception, bps.DistributedTrainer, net.collect_params(), "sgd",
                            compression_params={"type": "2bit", "threshold": "x"}, mode="allreduce")
     check("DistributedTrainer bad threshold", name == "TypeError" and "must be a number" in message, (name, message))
+    name, message = raises(Exception, bps.DistributedTrainer, net.collect_params(), "sgd",
+                           compression_params={"type": "2bit"}, mode="gossip")
+    check("DistributedTrainer 2bit in gossip mode", name == "ValueError" and "mode='allreduce'" in message,
+          (name, message))
 
 
 def _unsupported(bps):
@@ -221,4 +249,4 @@ def errors():
 
 
 if __name__ == "__main__":
-    run({"kv": kv, "trainer": trainer, "module": module, "errors": errors})
+    run({"kv": kv, "trainer": trainer, "distributed": distributed, "module": module, "errors": errors})
