@@ -22,6 +22,7 @@ import bps_gossip as _core
 from bps_gossip import generation, init, local_rank, local_size, rank, size
 
 from . import overlap as _overlap
+from .checkpoints import broadcast_optimizer_states, load_optimizer_states
 from .collectives import (
     Average,
     Sum,
@@ -45,8 +46,8 @@ from .trainer import DistributedTrainer
 
 __all__ = [
     "Average", "BpsGossip", "Compression", "DistributedOptimizer", "DistributedTrainer", "GossipOptions", "Sum", "allgather", "allgather_object", "allreduce",
-    "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters",
-    "byteps_declare_tensor", "byteps_push_pull", "generation", "grouped_allreduce", "grouped_allreduce_", "grouped_push_pull", "init", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
+    "allreduce_", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_states", "broadcast_parameters",
+    "byteps_declare_tensor", "byteps_push_pull", "generation", "grouped_allreduce", "grouped_allreduce_", "grouped_push_pull", "init", "load_optimizer_states", "local_rank", "local_size", "rank", "resume", "shutdown", "size",
     "suspend",
 ]
 
