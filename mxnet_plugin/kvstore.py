@@ -17,6 +17,10 @@ gluon.Trainer asks for the first layer first, whose gradient backward writes las
 the other gradients' push_pulls still start as soon as each exists. Readers of ``out``
 wait as for any MXNet operation. ``BPS_GOSSIP_OVERLAP_BACKWARD=0`` (or setting
 ``overlap_backward = False`` on the store) makes it wait and copy through host buffers.
+
+``set_gradient_compression`` (and so gluon.Trainer's and Module's ``compression_params``) takes
+MXNet's 2bit and 1bit with MXNet's semantics; a server-side optimizer and sparse arrays are refused
+(:mod:`mxnet_plugin.unsupported`). docs/compression.md has both.
 """
 
 from __future__ import annotations
