@@ -39,6 +39,7 @@ from bps_gossip.elastic import run as _core_run
 from bps_gossip.elastic.comm import Comm
 
 from . import overlap
+from .checkpoints import states_to_device, states_to_host
 from .ops import to_device, to_host
 from .parameters import broadcast_initialized, is_initialized
 from .trainer import DistributedTrainer
@@ -79,24 +80,6 @@ def _parameters(net_or_params: Any) -> list[mx.gluon.Parameter]:
     raise TypeError(f"GluonState: expected a Block, ParameterDict or list of Parameters, got {type(params).__name__}")
 
 
-def _states_to_host(state: Any) -> Any:
-    """An optimizer state (NDArray, None, or tuples/lists of them) with numpy copies of the arrays."""
-    if isinstance(state, mx.nd.NDArray):
-        return to_host(state)
-    if isinstance(state, (tuple, list)):
-        return type(state)(_states_to_host(item) for item in state)
-    return state
-
-
-def _states_to_device(state: Any) -> Any:
-    """The inverse of :func:`_states_to_host` (arrays land on the CPU; MXNet moves them)."""
-    if isinstance(state, np.ndarray):
-        return mx.nd.array(state, dtype=state.dtype)
-    if isinstance(state, (tuple, list)):
-        return type(state)(_states_to_device(item) for item in state)
-    return state
-
-
 class GluonState(ObjectState):
     """Parameters, optimizer states and any user values (``**kwargs``) of a Gluon job.
 
@@ -127,14 +110,14 @@ class GluonState(ObjectState):
         updaters = getattr(self.trainer, "_updaters", None)
         if not updaters:
             return None
-        return {index: _states_to_host(state) for index, state in updaters[0].states.items()}
+        return {index: states_to_host(state) for index, state in updaters[0].states.items()}
 
     def _load_optimizer_states(self, states: dict[int, Any] | None, counters: dict[str, Any] | None) -> None:
         if states is not None:
             for updater in self.trainer._updaters:
                 # What Updater.set_states does after unpickling; MXNet moves each state to its
                 # parameter's device at the next update (states_synced False).
-                updater.states = {int(index): _states_to_device(state) for index, state in states.items()}
+                updater.states = {int(index): states_to_device(state) for index, state in states.items()}
                 updater.states_synced = dict.fromkeys(updater.states, False)
         if counters is not None:
             optimizer = self.trainer._optimizer
