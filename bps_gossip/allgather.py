@@ -26,7 +26,7 @@ HEADER = 3  # problem, dtype index, ndim; then MAX_DIMS dimensions
 OK, NOT_AN_ARRAY, BAD_DTYPE, NO_DIMENSION, TOO_MANY_DIMS, MALFORMED = range(6)
 PROBLEMS = {NOT_AN_ARRAY: "something that is not a numpy array", BAD_DTYPE: "a dtype that is not supported",
             NO_DIMENSION: "a 0-d array (allgather needs a first dimension)",
-            TOO_MANY_DIMS: f"more than {MAX_DIMS} dimensions", MALFORMED: "a malformed description"}
+            TOO_MANY_DIMS: f"an array of more than {MAX_DIMS} dimensions", MALFORMED: "a malformed description"}
 WINDOW = 16  # data pieces in flight at once (a server bounds the early pushes of a connection)
 
 
@@ -58,7 +58,7 @@ def _local_error(array: Any, problem: int, name: str, rank: int) -> Exception:
     if problem == BAD_DTYPE:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         return TypeError(f"{where}: dtype {array.dtype} is not supported (use one of {names})")
-    return ValueError(f"{where}: the tensor has {PROBLEMS[problem]}")
+    return ValueError(f"{where}: got {PROBLEMS[problem]}")
 
 
 def _checked(row: np.ndarray) -> int:

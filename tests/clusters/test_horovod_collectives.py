@@ -46,3 +46,14 @@ def test_horovod_collectives_on_three_ranks(cluster):
         assert grouped["both"][0] == "ValueError", grouped
         assert grouped["process_set"][0] == "NotImplementedError", grouped
     job.wait_servers_exit()
+
+
+@pytest.mark.timeout(90)
+def test_horovod_collectives_one_worker_local_mode(cluster):
+    job = cluster(1, start_servers=False)
+    done = job.run_job("horovod_collectives_job", "alone", timeout=80)
+    assert_all_ok(done, job)
+    result = done[0].result
+    assert not result["failures"], result["failures"]
+    assert result["set"][0] == "TypeError" and "a set" in result["set"][1], result
+    assert result["0-d"][0] == "ValueError" and "got a 0-d array" in result["0-d"][1], result

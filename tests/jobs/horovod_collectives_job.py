@@ -130,4 +130,18 @@ def main():
     bps.shutdown()
 
 
-run({"all": main})
+def alone():
+    """One worker, no servers: every call answers from this process alone."""
+    bps.init()
+    got = bps.allgather(mx.nd.array(rows_of(0)), name="a")
+    check("allgather alone", (got.asnumpy() == rows_of(0)).all(), str(got))
+    check("objects alone", bps.allgather_object({"a": (1, 2)}) == [{"a": (1, 2)}]
+          and bps.broadcast_object([1, "x"]) == [1, "x"], "")
+    summed = bps.grouped_allreduce([mx.nd.ones((2,)) * 3], op=bps.Sum, postscale_factor=2.0)
+    check("grouped alone", summed[0].asnumpy().tolist() == [6.0, 6.0], str(summed))
+    report({"failures": failures, "set": raises(TypeError, bps.allgather_object, {1}),
+            "0-d": raises(ValueError, bps.allgather, mx.nd.array([1.0]).reshape(()))})
+    bps.shutdown()
+
+
+run({"all": main, "alone": alone})
