@@ -95,6 +95,17 @@ def wait_for_line(proc, text: str, job, seconds: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def _steady_with_uid(job) -> tuple[list, list[str]]:
+    """Start insiders_job's steady_with_uid workers; (the workers, rank 0's routing id in hex, its
+    server's address and rank 1's peer address) once rank 0 said them."""
+    workers = job.start_job("insiders_job", "steady_with_uid")
+    deadline = time.monotonic() + 30
+    while "UID" not in open(workers[0].out_file.name).read():
+        assert time.monotonic() < deadline, job.dump()
+        time.sleep(0.1)
+    return workers, next(line.split()[1:] for line in open(workers[0].out_file.name) if line.startswith("UID"))
+
+
 def _self() -> tuple[int, int]:
     import os
     return os.getpid(), start_ticks()
@@ -184,12 +195,7 @@ def test_a_member_id_cannot_be_taken_over(cluster):
     import msgpack
 
     job = cluster(2)
-    workers = job.start_job("insiders_job", "steady_with_uid")
-    deadline = time.monotonic() + 30
-    while "UID" not in open(workers[0].out_file.name).read():
-        assert time.monotonic() < deadline, job.dump()
-        time.sleep(0.1)
-    _, uid_hex, server, peer = next(line.split() for line in open(workers[0].out_file.name) if line.startswith("UID"))
+    workers, (uid_hex, server, peer) = _steady_with_uid(job)
     uid, keys = bytes.fromhex(uid_hex), load_config(job.env).keys
     gossip = {"op": "gossip", "tag": "g", "round": 0, "gen": 1, "keys": ["w"], "weight": 0.5,
               "dtypes": ["<f4"], "counts": [1]}
@@ -506,12 +512,7 @@ def test_a_server_bounds_connections_in_total_and_per_key(cluster):
     from bps_gossip.transport.connection_gate import KEY_HANDSHAKES, STRANGER_CONNECTIONS
 
     job = cluster(2)
-    workers = job.start_job("insiders_job", "steady_with_uid")
-    deadline = time.monotonic() + 30
-    while "UID" not in open(workers[0].out_file.name).read():
-        assert time.monotonic() < deadline, job.dump()
-        time.sleep(0.1)
-    server = next(line.split()[2] for line in open(workers[0].out_file.name) if line.startswith("UID"))
+    workers, (_, server, _) = _steady_with_uid(job)
     keys = load_config(job.env).keys
     one_key = zmq.curve_keypair()
     admitted, same_key = _handshakes(server, keys, [one_key] * (KEY_HANDSHAKES + 8), 3.0)
