@@ -21,7 +21,7 @@ def _run(cluster, entry, phase, folder, load="every"):
 
 
 CASES = [("kvstore", "every"), ("kvstore", "root"), ("module", "every"), ("module", "root"),
-         ("allreduce", "every"), ("gossip", "root"), ("gossip", "every")]
+         ("allreduce", "every"), ("allreduce", "root"), ("gossip", "root"), ("gossip", "every")]
 
 
 @pytest.mark.timeout(400)
