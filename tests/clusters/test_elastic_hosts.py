@@ -265,9 +265,11 @@ def test_below_min_np_for_too_long_stops_everything(hosts, tmp_path):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["gossip", "auto"])
+@pytest.mark.parametrize("mode", ["auto"])  # gossip, then allreduce (the tests above: allreduce alone)
 def test_the_elastic_example_survives_a_lost_host_in_every_mode(hosts, tmp_path, mode):
-    """examples/train_digits_elastic.py unchanged under the new flags (allreduce: the tests above)."""
+    """examples/train_digits_elastic.py unchanged under the new flags, in mode='auto', which runs
+    gossip and allreduce (the tests above: allreduce alone; gossip alone across a lost worker:
+    test_elastic_trials)."""
     argv = training(6, 0.05)
     argv[1] = mode
     job = Job(hosts, tmp_path, [1, 2], ["-np", "2", "--min-np", "1", *argv])

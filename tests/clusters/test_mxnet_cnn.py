@@ -42,9 +42,14 @@ def run_job(cluster, network: str, hybridize: bool) -> dict[str, list[dict]]:
     return phases
 
 
+# resnet18_v1 (about 25 s a run on 2 cores) hybridized only: imperative runs on the other two
+CASES = [(network, hybridize) for network in NETWORKS for hybridize in (False, True)
+         if (network, hybridize) != ("resnet18_v1", False)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("network,hybridize", CASES,
+                         ids=[f"{n}-{'hybridized' if h else 'imperative'}" for n, h in CASES])
 def test_every_entry_point_trains_cnn(cluster, network, hybridize):
     phases = run_job(cluster, network, hybridize)
 
