@@ -62,6 +62,9 @@ class DistributedTrainer(mx.gluon.Trainer):
       push_pull runs inside MXNet's engine as backward writes its gradient.
     - ``'auto'``: one of the two at a time, chosen every BPS_GOSSIP_AUTO_WINDOW steps the same way
       on every rank; ``active_mode`` and ``mode_history`` say what ran (docs/gossip-auto.md).
+    - ``'async'`` (also BYTEPS_ENABLE_ASYNC=1, as in BytePS): the servers hold the weights; each step
+      the local update's change is added to them and the current weights come back, with no wait
+      for other workers (docs/async.md). ``flush()`` takes the servers' current weights.
 
     ``compression_params`` (BytePS's dict, docs/compression.md) compresses gradients in allreduce
     mode and, by CHOCO-Gossip on a ring (``gossip_gamma``), the gossip messages in gossip mode.
@@ -95,7 +98,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     @property
     def mode(self) -> str:
-        """The mode this trainer was built for: 'gossip', 'allreduce' or 'auto'."""
+        """The mode this trainer was built for: 'gossip', 'allreduce', 'auto' or 'async'."""
         return self._mode.name
 
     @property
@@ -106,7 +109,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     @property
     def active_mode(self) -> str:
-        """The mode running now: 'gossip' or 'allreduce' (with mode='auto', the one chosen last)."""
+        """The mode running now: 'gossip', 'allreduce' or 'async' (with mode='auto', the one chosen last)."""
         return self._mode.running().name
 
     @property

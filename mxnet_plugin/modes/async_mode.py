@@ -20,6 +20,7 @@ where N workers' steps together are too much).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import mxnet as mx
@@ -57,7 +58,7 @@ class AsyncMode(TrainerMode):
         if setup.overlap_backward:
             raise ValueError("DistributedTrainer: overlap_backward applies to mode='allreduce'; mode='async' "
                              "pushes weight changes after the update")
-        self.started: object = None  # the runtime and generation whose stored weights the parameters follow
+        self.started: tuple[Any, int] | None = None  # the runtime (weakly) and generation the parameters follow
         self.updates = 0
 
     def _learned(self) -> list[tuple[int, mx.gluon.Parameter]]:
@@ -96,13 +97,15 @@ class AsyncMode(TrainerMode):
         return runtime is not None and runtime.engine is not None
 
     def _start(self) -> None:
-        """Init the stored weights of every learned parameter, or take them where they exist."""
+        """Init the stored weights of every learned parameter, or take them where they exist: once per
+        runtime (a resume() makes a new one) and generation (an elastic change)."""
         runtime = peek()
-        started = (id(runtime), core.generation())
-        if started == self.started:
+        if self.started is not None and self.started[0]() is runtime and self.started[1] == core.generation():
             return
         self.pull()
-        self.started = started
+
+    def _remember_start(self) -> None:
+        self.started = (weakref.ref(peek()), core.generation())
 
     def pull(self) -> None:
         """Make the parameters the servers' stored weights (starting them from these parameters
@@ -114,6 +117,7 @@ class AsyncMode(TrainerMode):
             pending.append((store_push_pull_async(host, _stored_name(param), init=True, out=host, priority=-index),
                             host, copies))
         self._finish(pending)
+        self._remember_start()
 
     @staticmethod
     def _finish(pending: list[tuple[Any, np.ndarray, list[mx.nd.NDArray]]]) -> None:
@@ -130,7 +134,6 @@ class AsyncMode(TrainerMode):
         """Take the servers' current weights (every worker's changes so far), e.g. before evaluating."""
         if self._distributed():
             self.pull()
-            self.started = (id(peek()), core.generation())
 
     def average_parameters(self) -> None:
         """The servers' weights are the model: take them (not a collective in this mode)."""

@@ -4,10 +4,15 @@ bad pushes fail at once with a clear error. The workers run tests/jobs/async_job
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from cluster import assert_all_ok, results_by_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import elastic_trials  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 200
@@ -61,3 +66,14 @@ def test_bad_pushes_fail_at_once_and_change_nothing(cluster):
     op, kind, why = first["stranger"]
     assert [op, kind] == ["error", "protocol"] and "no worker of generation" in why, first
     assert first["final"] == second["final"] == [1.0] * 4
+
+
+@pytest.mark.timeout(200)
+def test_elastic_async_survives_a_killed_worker():
+    """bpslaunch -np 3 --min-np 2, mode='async' (tests/jobs/gluon_elastic_job.py): rank 1 is SIGKILLed
+    at step 4; the other two reset, take the servers' weights and finish every epoch, every sample
+    committed once (elastic_trials.check)."""
+    trial = elastic_trials.run_trial(elastic_trials.Trial("async", "KILL", 1, 4), timeout=180)
+    assert trial.ok, f"{trial.describe()}\n{trial.output}"
+    finals = [r for values in elastic_trials.results(trial.output).values() for r in values if r[0] == "final"]
+    assert len(finals) == 2 and all(f[5] == 2 for f in finals), finals  # two workers finished, in a job of 2
