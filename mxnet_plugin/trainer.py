@@ -62,9 +62,7 @@ class DistributedTrainer(mx.gluon.Trainer):
       push_pull runs inside MXNet's engine as backward writes its gradient.
     - ``'auto'``: one of the two at a time, chosen every BPS_GOSSIP_AUTO_WINDOW steps the same way
       on every rank; ``active_mode`` and ``mode_history`` say what ran (docs/gossip-auto.md).
-    - ``'async'`` (also BYTEPS_ENABLE_ASYNC=1, as in BytePS): the servers hold the weights; each step
-      the local update's change is added to them and the current weights come back, with no wait
-      for other workers (docs/async.md). ``flush()`` takes the servers' current weights.
+    - ``'async'`` (or BYTEPS_ENABLE_ASYNC=1): BytePS's asynchronous training, no wait (docs/async.md).
 
     ``compression_params`` (BytePS's dict, docs/compression.md) compresses gradients in allreduce
     mode and, by CHOCO-Gossip on a ring (``gossip_gamma``), the gossip messages in gossip mode.
@@ -172,7 +170,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self.num_steps += 1
 
     def flush(self) -> None:
-        """Absorb in-flight gossip (overlap mode) so that the parameters are final."""
+        """Absorb in-flight gossip (overlap mode), or take the servers' current weights (async mode), so
+        that the parameters are final."""
         self._mode.flush()
 
     def average_parameters(self) -> None:

@@ -4,7 +4,9 @@ bad pushes fail at once with a clear error. The workers run tests/jobs/async_job
 
 from __future__ import annotations
 
+import collections
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import elastic_trials  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-STEPS = 200
+STEPS = 400
 
 
 @pytest.mark.timeout(300)
@@ -72,8 +74,41 @@ def test_bad_pushes_fail_at_once_and_change_nothing(cluster):
 def test_elastic_async_survives_a_killed_worker():
     """bpslaunch -np 3 --min-np 2, mode='async' (tests/jobs/gluon_elastic_job.py): rank 1 is SIGKILLed
     at step 4; the other two reset, take the servers' weights and finish every epoch, every sample
-    committed once (elastic_trials.check)."""
+    committed once (elastic_trials.check); bpslaunch's replacement may join and train too."""
     trial = elastic_trials.run_trial(elastic_trials.Trial("async", "KILL", 1, 4), timeout=180)
     assert trial.ok, f"{trial.describe()}\n{trial.output}"
     finals = [r for values in elastic_trials.results(trial.output).values() for r in values if r[0] == "final"]
-    assert len(finals) == 2 and all(f[5] == 2 for f in finals), finals  # two workers finished, in a job of 2
+    # the survivors finish, in a job of 2, or of 3 where bpslaunch's replacement joined in time
+    assert len(finals) >= 2 and len({f[5] for f in finals}) == 1 and finals[0][5] == len(finals), finals
+
+
+def _wait_for_commit(proc, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.out_file.flush()
+        if '"commit"' in Path(proc.out_file.name).read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no commit within {timeout} s")
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_joining_an_async_job_takes_the_stored_weights_and_trains(cluster):
+    """An elastic job of 2 in mode='async' (tests/jobs/gluon_elastic_job.py); a third worker joins at a
+    commit, takes the servers' weights and trains; every sample of every epoch is committed once."""
+    job = cluster(2, env={"BPS_GOSSIP_ELASTIC": "1", "BPS_GOSSIP_MIN_WORKERS": "1",
+                          "BPS_GOSSIP_ELASTIC_TIMEOUT": "20"})
+    settings = {"MODE": "async", "EPOCHS": "2", "SAMPLES": "96", "BATCH": "4", "COMMIT_EVERY": "3",
+                "STEP_SLEEP": "0.15", "DMLC_ROLE": "worker"}
+    argv = [sys.executable, str(elastic_trials.JOB)]
+    first = [job.spawn(argv, {**job.env, **settings, "DMLC_WORKER_ID": str(index)}, f"async_elastic{index}")
+             for index in range(2)]
+    _wait_for_commit(first[0])
+    joiner = job.spawn(argv, {**job.env, **settings}, "async_elastic_joiner")
+    done = job.wait(first + [joiner], timeout=120)
+    assert all(f.returncode == 0 for f in done), job.dump()
+    finals = [next(r for r in f.results if r[0] == "final") for f in done]
+    assert all(final[5] == 3 for final in finals), finals  # every rank ended in a job of 3
+    assert any(r[0] == "commit" for r in done[2].results), "the joiner never trained"
+    seen = collections.Counter((e, i) for f in done for r in f.results if r[0] == "commit" for e, i in r[1])
+    assert seen == collections.Counter((e, i) for e in range(2) for i in range(96)), seen
