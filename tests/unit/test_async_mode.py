@@ -66,3 +66,48 @@ def test_one_worker_without_servers_trains_locally(one_worker):
     trainer.step(1)
     trainer.flush()
     assert np.allclose(net.weight.data().asnumpy(), 0.5)
+
+
+class FakeRuntime:
+    """What the async mode asks of a runtime: that it has an engine (servers)."""
+
+    engine = True
+
+
+def test_the_stored_weights_are_taken_again_after_resume_or_an_elastic_change(monkeypatch, one_worker):
+    """The first update inits (takes) the stored weights; later ones only add, until the runtime is a new
+    one (suspend() then resume()), the generation changes or reset_world() is called."""
+    from bps_gossip.futures import done_future
+    from mxnet_plugin.modes import async_mode
+
+    pushes, state = [], {"runtime": FakeRuntime(), "generation": 1}
+
+    def store(array, name, init=False, instance=0, out=None, priority=0):
+        pushes.append("init" if init else "add")
+        np.copyto(out, 7.0 if init else array)  # the stored weights: 7 after an init
+        return done_future(out)
+
+    monkeypatch.setattr(async_mode, "store_push_pull_async", store)
+    monkeypatch.setattr(async_mode, "peek", lambda: state["runtime"])
+    monkeypatch.setattr(async_mode.core, "generation", lambda: state["generation"])
+    net = mx.gluon.nn.Dense(1, in_units=2, use_bias=False)
+    net.initialize(mx.init.Constant(1.0))
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, mode="async")
+
+    def step() -> list[str]:
+        del pushes[:]
+        with mx.autograd.record():
+            loss = net(mx.nd.ones((1, 2))).sum()
+        loss.backward()
+        trainer.step(1)
+        return list(pushes)
+
+    assert step() == ["init", "add"]
+    assert step() == ["add"]
+    state["runtime"] = FakeRuntime()  # resume(): a new runtime
+    assert step() == ["init", "add"]
+    state["generation"] = 2  # an elastic change
+    assert step() == ["init", "add"]
+    trainer.reset_world()
+    assert step() == ["init", "add"]
+    assert step() == ["add"]
