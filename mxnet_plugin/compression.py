@@ -26,6 +26,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from bps_gossip import job_config
 from bps_gossip.compression import CODECS, DEFAULT_THRESHOLD, CompressionSpec
 
 # Every key byteps.mxnet's DistributedTrainer reads from compression_params (and nothing else).
@@ -147,6 +148,10 @@ def mode_for_compression(mode: str | None, spec: CompressionSpec | None) -> str 
         raise ValueError(f"DistributedTrainer: MXNet's {spec.compressor} compression_params compress gradients, "
                          f"which mode={mode!r} does not push: use mode='allreduce' (the default with them), or "
                          f"BytePS's compressors ('compressor') for compressed gossip")
+    if mode is None and job_config().enable_async:
+        raise ValueError(f"DistributedTrainer: MXNet's {spec.compressor} compression_params compress gradients "
+                         "through the servers (mode='allreduce'), but BYTEPS_ENABLE_ASYNC=1 asks for mode='async', "
+                         "which pushes uncompressed changes of the weights: unset one of them")
     return "allreduce"
 
 

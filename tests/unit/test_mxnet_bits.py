@@ -137,3 +137,21 @@ def test_mxnet_compression_params_accepted():
         == (CompressionSpec("1bit", threshold=-0.5), False)
     with pytest.raises(ValueError, match=re.escape("write it as MXNet does: {'type': '2bit', 'threshold': 0.5}")):
         compression.parse_compression_params({"compressor": "2bit"}, {})
+
+
+def test_mxnet_compression_beside_byteps_enable_async_says_both(monkeypatch):
+    """MXNet's dict picks allreduce; under BYTEPS_ENABLE_ASYNC=1 the user heard that a mode='allreduce'
+    they never passed conflicted: the error now names both settings."""
+    from bps_gossip import runtime
+    from mxnet_plugin.compression import mode_for_compression, parse_compression_params
+
+    monkeypatch.delenv("BPS_GOSSIP_MODE", raising=False)
+    monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
+    runtime.remember(None)  # the environment is read once per process: read it again
+    try:
+        spec, _ = parse_compression_params({"type": "2bit", "threshold": 0.5}, {})
+        with pytest.raises(ValueError, match="2bit compression_params .* BYTEPS_ENABLE_ASYNC=1 asks for mode='async'"):
+            mode_for_compression(None, spec)
+    finally:
+        monkeypatch.delenv("BYTEPS_ENABLE_ASYNC")
+        runtime.remember(None)
