@@ -43,17 +43,23 @@ def test_a_straggler_does_not_hold_back_the_others_and_accuracy_matches_allreduc
 
 
 @pytest.mark.timeout(120)
-def test_the_stored_weights_add_every_change(cluster):
-    job = cluster(3, servers=2)
+@pytest.mark.parametrize("shm", ["1", "0"])  # the payload and the reply in the worker's segment, or as frames
+def test_the_stored_weights_add_every_change(cluster, shm):
+    job = cluster(3, servers=2, env={"BPS_GOSSIP_SHM": shm, "BYTEPS_PARTITION_BYTES": "4096"})
     done = job.run_job("async_job", "arithmetic")
     assert_all_ok(done, job)
-    assert any(f.result["start"] == [10.0, 20.0] for f in done)  # the first init came from one rank's payload
-    for result in results_by_rank(done):
-        start, first = result["start"], result["first"]
+    results = results_by_rank(done)
+    final = results[0]["final"]
+    # after a barrier: every change of every rank (2 x (1 + 2 + 3)) in every partition, on the init payload
+    # of whichever rank reached that partition's server first (each rank's init adds rank * 0.5)
+    offsets = {value - base for (low, high), base in zip(final, (22.0, 32.0)) for value in (low, high)}
+    assert offsets <= {0.0, 0.5, 1.0}, results
+    for result in results:
+        assert result["final"] == final, results
+        (low, high), _ = result["start"]
         # a rank that came later got the stored weights, other ranks' changes in them (no waiting)
-        assert start[1] - start[0] == 10.0 and 10.0 <= start[0] <= 22.0, result
-        assert first[0] >= start[0] + result["rank"] + 1, result  # at least its own change, at once
-        assert result["final"] == [10.0 + 2 * 6, 20.0 + 2 * 6], result  # every change of every rank
+        assert 10.0 <= low <= high <= 23.0, result
+        assert result["first"][0][0] >= low + result["rank"] + 1, result  # at least its own change, at once
 
 
 @pytest.mark.timeout(120)

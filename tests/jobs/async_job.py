@@ -90,17 +90,24 @@ def straggler(examples: str, folder: str, steps: str) -> None:
     bps.shutdown()
 
 
+def _halves(array: np.ndarray) -> list[list[float]]:
+    """[min, max] of each half: partitions answered at different moments may hold different values."""
+    return [[float(half.min()), float(half.max())] for half in np.split(array, 2)]
+
+
 def arithmetic() -> None:
-    """Every rank adds rank + 1 to a stored [10, 20] twice, then all pull: the sum of every change;
-    the first init wins (rank 1's init payload is ignored where rank 0's came first, or vice versa)."""
+    """Every rank adds rank + 1 to stored weights that start as [10] * 1500 + [20] * 1500 (several
+    partitions: BYTEPS_PARTITION_BYTES) twice, then all pull: the sum of every change. The first init
+    wins (a later rank's init payload, rank-dependent here, is ignored)."""
     bps.init()
     rank = bps.rank()
-    start = store_push_pull(np.array([10.0, 20.0], np.float32), "w", init=True)
-    first = store_push_pull(np.full(2, rank + 1.0, np.float32), "w")
-    store_push_pull(np.full(2, rank + 1.0, np.float32), "w")
+    ones = np.ones(3000, np.float32)
+    start = store_push_pull(np.concatenate([ones[:1500] * 10, ones[1500:] * 20]) + rank * 0.5, "w", init=True)
+    first = store_push_pull(ones * (rank + 1.0), "w")
+    store_push_pull(ones * (rank + 1.0), "w")
     core.barrier()
-    final = store_push_pull(np.zeros(2, np.float32), "w", init=True)
-    report({"rank": rank, "start": start.tolist(), "first": first.tolist(), "final": final.tolist()})
+    final = store_push_pull(np.zeros(3000, np.float32), "w", init=True)
+    report({"rank": rank, "start": _halves(start), "first": _halves(first), "final": _halves(final)})
     bps.shutdown()
 
 
