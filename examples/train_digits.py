@@ -24,6 +24,7 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import mxnet_plugin as bps
+from bps_gossip import job_config
 
 
 def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -138,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The example's command line (scripts/compare_modes.py extends it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
-    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "both"],
-                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else gossip (allreduce with "
-                             "--fp16-pushpull); auto: whichever trains faster here, measured while training")
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "async", "both"],
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), async under BYTEPS_ENABLE_ASYNC=1, else "
+                             "gossip (allreduce with --fp16-pushpull); auto: whichever trains faster here, measured "
+                             "while training; async: no worker waits for another (docs/async.md)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -171,11 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def choose_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-    """``--mode``, else BPS_GOSSIP_MODE (bpslaunch --mode), else gossip. Only allreduce pushes
+    """``--mode``, else BPS_GOSSIP_MODE (bpslaunch --mode), else async under BYTEPS_ENABLE_ASYNC=1
+    (DistributedTrainer would refuse another mode beside it), else gossip. Only allreduce pushes
     gradients, so --fp16-pushpull picks it where no mode was chosen (or gossip came from
     BPS_GOSSIP_MODE, as DistributedTrainer does), and with another mode it is a usage error
     (exit 2) before the job starts."""
-    given = os.environ.get("BPS_GOSSIP_MODE", "").strip().lower()
+    given = os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or ("async" if job_config().enable_async else "")
     mode = args.mode or given or "gossip"
     if args.fp16_pushpull and mode != "allreduce":
         if args.mode is None and given in ("", "gossip"):

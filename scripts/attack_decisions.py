@@ -2,6 +2,7 @@
 takes and how well it trains, against the same job with no liar, side by side.
 
     .venv/bin/python scripts/attack_decisions.py [--np 4] [--epochs 12] [--attacks all] [--repeat 3]
+                                                 [--straggle 0.02]
 
 Each run is ``bpslaunch -np N`` training examples/train_digits.py's MLP (same seeds, same steps);
 in an attacked run the last rank rewrites what it contributes to every ``gather_rows`` before it
@@ -80,6 +81,14 @@ def worker(args: argparse.Namespace) -> int:
     bps.init()
     if args.attack != "none" and bps.rank() == bps.size() - 1:
         install_liar(args.attack)
+    if args.straggle and bps.rank() == 1:  # a slow rank: gossip routes around it, allreduce waits for it
+        step = bps.DistributedTrainer.step
+
+        def slow_step(self, *step_args, **kwargs):
+            time.sleep(args.straggle)
+            return step(self, *step_args, **kwargs)
+
+        bps.DistributedTrainer.step = slow_step
     digits = build_parser().parse_args(["--epochs", str(args.epochs), "--batch-size", "8"])
     digits.average_every = 20 if args.mode == "gossip" else 0  # the drift is measured at each exact average
     result = train(digits, args.mode)
@@ -102,7 +111,8 @@ def launch(args: argparse.Namespace, mode: str, attack: str) -> dict:
     """Run one job; rank 0's RESULT."""
     with tempfile.TemporaryDirectory() as logs:
         cmd = [sys.executable, "-m", "bps_gossip.launch.cli", "-np", str(args.np), sys.executable, __file__,
-               "--worker", "--mode", mode, "--attack", attack, "--epochs", str(args.epochs)]
+               "--worker", "--mode", mode, "--attack", attack, "--epochs", str(args.epochs),
+               "--straggle", str(args.straggle)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "BYTEPS_LOG_LEVEL": "ERROR", "BPS_GOSSIP_AUTO_WINDOW": "10"}
         began = time.monotonic()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=logs)
@@ -119,6 +129,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--attacks", default="all", help="comma-separated, of: " + ", ".join(ATTACKS))
     parser.add_argument("--repeat", type=int, default=3, help="runs of each, interleaved (the median is shown)")
+    parser.add_argument("--straggle", type=float, default=0.0,
+                        help="seconds rank 1 sleeps every step (where auto should choose gossip)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--attack", default="none", help=argparse.SUPPRESS)
@@ -136,7 +148,8 @@ def main() -> int:
               sorted(results, key=lambda r: r["seconds"])[len(results) // 2] for run, results in got.items()}
     rows = [(f"{mode} honest" if attack == "none" else attack, median[mode, attack], median[mode, "none"])
             for mode, attack in runs]
-    print(f"{args.np} workers, digits MLP, {args.epochs} epochs, batch 8 a worker, median of {args.repeat} runs "
+    slow = f", rank 1 sleeps {args.straggle} s a step" if args.straggle else ""
+    print(f"{args.np} workers, digits MLP, {args.epochs} epochs, batch 8 a worker{slow}, median of {args.repeat} runs "
           f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)")
     print(f"{'run':<16} {'train s':>8} {'x honest':>9} {'job s':>7} {'accuracy':>9} {'auto in gossip':>15}")
     for name, got, base in rows:
