@@ -238,6 +238,11 @@ class Aggregations:
             if agg is None:
                 return None
         elif who.rank in agg.pushes:
+            if push.hosted and not push.count and who.rank in self.leaders and agg.error is None:
+                # A leader's word that its host's round failed, on a round it pushed to itself (a
+                # gather_rows, which goes straight here): a local pushed something else under it.
+                self.fail(agg, "mismatch", f"tensor {push.name!r}: {push.kind}")
+                return None
             self._error(who, "protocol", f"tensor {push.name!r}: rank {who.rank} pushed partition {push.part} "
                                          f"of round {push.seq} twice")
             return None

@@ -230,12 +230,14 @@ class ServerLinks(LinkFailures, CallerSends):
         self.tracer.event(op.name, "QUEUE", index, op.stamps[index], sent)
         op.stamps[index] = sent
 
-    def _poison(self, rid: tuple[int, int, int, int], name: str, sig: dict[str, Any], why: str) -> None:
+    def _poison(self, rid: tuple[int, int, int, int], name: str, sig: dict[str, Any], why: str,
+                gathered: bool = False) -> None:
         """A host round failed on a mismatch: push, for this host, an empty partition that no
-        rank's can match, so the server fails the round for every host at once."""
+        rank's can match, so the server fails the round for every host at once (``gathered``: the
+        round's other ranks gather rows at the servers, also where this host is the whole job)."""
         _, key, part, seq = rid
         server = server_of(key, part, len(self.sockets))
-        if server in self._lost or self.hosts.whole_job:  # whole_job: no other host waits on a server
+        if server in self._lost or (self.hosts.whole_job and not gathered):  # no other host waits on a server
             return
         header = Push.header(req=next(self._req_ids), key=key, name=name, part=part, seq=seq, count=0,
                              wire="|u1", dtype=sig["dtype"], shape=sig["shape"],

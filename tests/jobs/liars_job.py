@@ -47,4 +47,23 @@ def broadcast() -> None:
     bps.shutdown()
 
 
-run({"gather": gather, "broadcast": broadcast})
+def sum_where_rows_are_gathered() -> None:
+    """Every rank gathers rows of "decide" but the liar (the last rank, a local of rank 0's host)
+    pushes a sum of the same shape under that name; then every rank gathers rows of "after".
+    Every rank reports what "decide" gave it (the error's type) and what "after" gave."""
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    try:
+        if rank == size - 1:
+            bps.push_pull(np.zeros((size, 2)), "decide", average=False)
+        else:
+            bps.gather_rows(np.array([rank, rank + 0.5]), "decide")
+        decided = "gathered"
+    except bps.BpsGossipError as error:
+        decided = type(error).__name__
+    after = bps.gather_rows(np.array([rank, rank + 0.5]), "after").tolist()
+    report({"rank": rank, "decided": decided, "after": after})
+    bps.shutdown()
+
+
+run({"gather": gather, "broadcast": broadcast, "sum_where_rows_are_gathered": sum_where_rows_are_gathered})

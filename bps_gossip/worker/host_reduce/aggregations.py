@@ -36,6 +36,7 @@ from ..operation import Operation
 
 MAX_HOST_ROUNDS = 16384  # host rounds open at once (locals ahead of their leader included)
 MAX_ATTACHED = 1024  # locals' segments mapped at once
+MAX_DIRECT = 1024  # the leader's own gather_rows rounds remembered (see HostAggregations.went_direct)
 BLOCK_BYTES = 1 << 18  # sums and copies of more than IN_CACHE go block by block, each staying in cache
 IN_CACHE = 1 << 20  # a partition this small stays in cache whole: a call per local is cheaper
 
@@ -127,6 +128,7 @@ class HostAggregations:
         self.rounds: dict[HostRoundId, HostAggregation] = {}
         self.attached = AttachedSegments(MAX_ATTACHED)
         self.gone: dict[int, str] = {}  # locals lost or gone: no round can complete without them
+        self.direct: dict[tuple[int, int, int], None] = {}  # (generation, key, round) of own gather_rows rounds
 
     # -- what arrives --------------------------------------------------------------
     def on_local_push(self, route: bytes, push: Push) -> None:
@@ -163,7 +165,39 @@ class HostAggregations:
         if push.ack and agg.error is None:
             self._reply(route, Ack(req=push.req))
         self._agree(agg, rank, (push.signature, push.wire, push.count, push.root))
+        if (rid[0], rid[1], rid[3]) in self.direct:
+            self._gathered_elsewhere(agg)
+            return
         self._advance(agg)
+
+    def went_direct(self, op: Operation) -> None:
+        """The leader's own ``op`` gathers rows (``gather_rows``), straight to the servers, as every
+        honest rank's does: a local's push of the same round (a sum pushed under a name whose rows
+        are gathered: a liar, or a rank that calls the wrong collective) can never complete here.
+        Such rounds fail now, and so do those that come later, on every rank: without this they
+        waited until BPS_GOSSIP_TIMEOUT, the whole job with them."""
+        mark = (self.generation, op.key, op.seq)
+        if mark in self.direct:
+            return
+        self.direct[mark] = None
+        if len(self.direct) > MAX_DIRECT:
+            self.direct.pop(next(iter(self.direct)))
+        for agg in list(self.rounds.values()):
+            if (agg.rid[0], agg.rid[1], agg.rid[3]) == mark:
+                self._gathered_elsewhere(agg)
+
+    def _gathered_elsewhere(self, agg: HostAggregation) -> None:
+        """Fail ``agg``, pushed by locals where this leader gathers rows, here and at the servers."""
+        agg.own_done = True  # the leader's own went straight to the servers
+        if agg.error is not None:
+            return
+        if not agg.sent:
+            agg.sent = True
+            self.poison(agg.rid, agg.name, agg.terms[0], "a sum pushed where rows are gathered", gathered=True)
+        self._fail(agg, "mismatch", f"tensor {agg.name!r}: rank {self.rank} gathers its rows (gather_rows) but "
+                                    f"rank(s) {sorted(agg.locals)} pushed it to be summed; every rank must call "
+                                    "the same collective")
+        self.rounds.pop(agg.rid, None)  # the honest locals never come here: nothing else would end it
 
     def own(self, op: Operation, part: int) -> None:
         """The leader's own partition is ready (its staged copy holds its data)."""
