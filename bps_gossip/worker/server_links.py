@@ -281,6 +281,8 @@ class ServerLinks(LinkFailures, CallerSends):
         route = self.hosts.route if target == LEADER else self.routes[server]
         where = op.in_segment(offset)
         route.send(header, () if route.by_name(where) else (op.payload(offset, count),), where)
+        if op.rows and self.hosts.rounds is not None:  # a leader's gather: a local's sum under its name fails now
+            self.hosts.rounds.went_direct(op)  # (after the push: a poison must not reach the server first)
 
     def stats(self, future: Future) -> None:
         """Ask every server for its counters; ``future`` completes with the list of replies."""

@@ -4,6 +4,8 @@ numbers for the others would; in a broadcast, the liar pushes a payload where ze
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from job_tools import report, run
 
@@ -48,19 +50,24 @@ def broadcast() -> None:
 
 
 def sum_where_rows_are_gathered() -> None:
-    """Every rank gathers rows of "decide" but the liar (the last rank, a local of rank 0's host)
-    pushes a sum of the same shape under that name; then every rank gathers rows of "after".
-    Every rank reports what "decide" gave it (the error's type) and what "after" gave."""
+    """Three rounds in which every rank gathers rows of "decide" but the liar (the last rank, a
+    local of rank 0's host) pushes a sum of the same shape under that name: at once, after the
+    leader's gather (the liar waits), before it (the leader waits). Then every rank gathers rows
+    of "after". Every rank reports what each "decide" gave it (the error's type) and "after"."""
     bps.init()
     rank, size = bps.rank(), bps.size()
-    try:
-        if rank == size - 1:
-            bps.push_pull(np.zeros((size, 2)), "decide", average=False)
-        else:
-            bps.gather_rows(np.array([rank, rank + 0.5]), "decide")
-        decided = "gathered"
-    except bps.BpsGossipError as error:
-        decided = type(error).__name__
+    decided = []
+    for liar_waits, leader_waits in ((0.0, 0.0), (0.5, 0.0), (0.0, 0.5)):
+        try:
+            if rank == size - 1:
+                time.sleep(liar_waits)
+                bps.push_pull(np.zeros((size, 2)), "decide", average=False)
+            else:
+                time.sleep(leader_waits if rank == 0 else 0.0)
+                bps.gather_rows(np.array([rank, rank + 0.5]), "decide")
+            decided.append("gathered")
+        except bps.BpsGossipError as error:
+            decided.append(type(error).__name__)
     after = bps.gather_rows(np.array([rank, rank + 0.5]), "after").tolist()
     report({"rank": rank, "decided": decided, "after": after})
     bps.shutdown()

@@ -171,11 +171,13 @@ class HostAggregations:
         self._advance(agg)
 
     def went_direct(self, op: Operation) -> None:
-        """The leader's own ``op`` gathers rows (``gather_rows``), straight to the servers, as every
-        honest rank's does: a local's push of the same round (a sum pushed under a name whose rows
-        are gathered: a liar, or a rank that calls the wrong collective) can never complete here.
-        Such rounds fail now, and so do those that come later, on every rank: without this they
-        waited until BPS_GOSSIP_TIMEOUT, the whole job with them."""
+        """The leader's own ``op`` gathers rows (``gather_rows``) and was pushed straight to the
+        servers, as every honest rank's is: a local's push of the same round (a sum pushed under a
+        name whose rows are gathered: a liar, or a rank that calls the wrong collective) can never
+        complete here. Such rounds fail now, and so do those that come later, on every rank
+        (without this they waited until BPS_GOSSIP_TIMEOUT, the whole job with them). Called after
+        the leader's push: the servers' round then holds it when this host's poison comes, which
+        alone would complete a round of one host."""
         mark = (self.generation, op.key, op.seq)
         if mark in self.direct:
             return

@@ -102,8 +102,6 @@ class HostLink:
         """How ``op``'s partitions go to the servers."""
         # rows: a leader could write into a local's row; store: each rank's change goes on its own
         if not self.hosting or op.codecs is not None or op.rows or op.store is not None:
-            if op.rows and self.rounds is not None:
-                self.rounds.went_direct(op)  # a local's sum under its name fails at once
             return Way.DIRECT
         if self.sock is not None:
             return Way.TO_LEADER
