@@ -16,6 +16,7 @@ import pytest
 import zmq
 from cluster import assert_all_ok
 from test_elastic import ELASTIC_ENV
+from zmq.utils.monitor import recv_monitor_message
 
 from bps_gossip.config import load_config
 from bps_gossip.local_processes import LocalProcess, raise_open_files_limit, start_ticks
@@ -475,9 +476,10 @@ def test_a_server_holds_a_bounded_number_of_result_bytes_for_a_member_that_reads
 
 
 def _handshakes(address: str, keys, pairs: list[tuple[bytes, bytes]], seconds: float) -> tuple[int, list]:
-    """Connect one DEALER per key pair to ``address`` and wait ``seconds``: how many completed the
-    secure handshake (their sockets, still open, are returned: close them)."""
-    from zmq.utils.monitor import recv_monitor_message
+    """Connect one DEALER per key pair to ``address`` and wait until each one's handshake
+    succeeded or was refused (at most ``seconds``): how many succeeded (their sockets, still
+    open, are returned: close them)."""
+    from bps_gossip.transport.security import HANDSHAKE_FAILED
 
     ctx = zmq.Context.instance()
     socks, monitors = [], []
@@ -487,20 +489,19 @@ def _handshakes(address: str, keys, pairs: list[tuple[bytes, bytes]], seconds: f
         sock.setsockopt(zmq.IDENTITY, f"worker-9{index}-x".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # one try each: a refused one stays refused here
-        monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+        monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED))
         sock.connect(address)
         socks.append(sock)
-    deadline, succeeded = time.monotonic() + seconds, set()
-    while time.monotonic() < deadline:
+    deadline, outcome = time.monotonic() + seconds, {}
+    while len(outcome) < len(pairs):
+        assert time.monotonic() < deadline, f"{len(pairs) - len(outcome)} handshakes neither succeeded nor failed"
         for index, monitor in enumerate(monitors):
-            while monitor.poll(0):
-                recv_monitor_message(monitor)
-                succeeded.add(index)
-        time.sleep(0.05)
+            if index not in outcome and monitor.poll(10):
+                outcome[index] = recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
     for sock, monitor in zip(socks, monitors):
         sock.disable_monitor()
         monitor.close(linger=0)
-    return len(succeeded), socks
+    return sum(outcome.values()), socks
 
 
 @pytest.mark.timeout(90)
@@ -515,9 +516,9 @@ def test_a_server_bounds_connections_in_total_and_per_key(cluster):
     workers, (_, server, _) = _steady_with_uid(job)
     keys = load_config(job.env).keys
     one_key = zmq.curve_keypair()
-    admitted, same_key = _handshakes(server, keys, [one_key] * (KEY_HANDSHAKES + 8), 3.0)
+    admitted, same_key = _handshakes(server, keys, [one_key] * (KEY_HANDSHAKES + 8), 30.0)
     assert admitted == KEY_HANDSHAKES, admitted  # before: all 16
-    many, fresh = _handshakes(server, keys, [zmq.curve_keypair() for _ in range(STRANGER_CONNECTIONS + 40)], 5.0)
+    many, fresh = _handshakes(server, keys, [zmq.curve_keypair() for _ in range(STRANGER_CONNECTIONS + 40)], 30.0)
     # the members' 2 connections and the same key's 8 count towards the strangers' room
     assert STRANGER_CONNECTIONS // 2 <= many <= STRANGER_CONNECTIONS + 2 - KEY_HANDSHAKES, many  # before: all 104
     for sock in same_key + fresh:
