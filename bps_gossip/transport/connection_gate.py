@@ -52,9 +52,9 @@ def route_tag(route: bytes) -> str:
 
 
 class ConnectionGate:
-    """Admits or refuses each new secure connection (the module docstring says how); ``live``
-    reads the number of authenticated connections not yet disconnected. Called from the ZAP thread; the server's loop sets the
-    members and calls :meth:`report`."""
+    """Admits or refuses each new secure connection (the module docstring says how), counting
+    from ``watch``, the bound socket's monitor. Called from the ZAP thread; the server's loop
+    sets the members and calls :meth:`report`."""
 
     def __init__(self, watch: HandshakeCounts, log: logging.Logger, every: float = 10.0) -> None:
         self.watch = watch
