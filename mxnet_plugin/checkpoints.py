@@ -56,15 +56,57 @@ def updaters_of(owner: Any, where: str) -> list[mx.optimizer.Updater]:
     raise TypeError(f"{where}: expected a gluon Trainer, a Module or an mxnet Updater, got {type(owner).__name__}")
 
 
-def _counters(optimizer: Any) -> dict[str, Any]:
+def _key(index: Any) -> int | str:
+    return int(index) if isinstance(index, (int, np.integer)) else str(index)
+
+
+# Running values MXNet 1.9.1's optimizers keep on the optimizer object itself (Nadam's product of
+# momentum schedules): state like the counters, which a checkpoint file carries in the pickled optimizer.
+RUNNING_VALUES = ("m_schedule",)
+
+
+def optimizer_counters(optimizer: Any) -> dict[str, Any]:
+    """The update counters an optimizer's steps read (Adam's bias correction, lr schedules):
+    ``num_update``, the per-index counts of every device, as plain ints, and the running values."""
     return {"num_update": int(optimizer.num_update),
-            "index_update_count": {int(k) if isinstance(k, (int, np.integer)) else str(k): int(v)
-                                   for k, v in optimizer._index_update_count.items()}}
+            "devices": [[int(device), {_key(k): int(v) for k, v in counts.items()}]
+                        for device, counts in sorted(optimizer._all_index_update_counts.items())],
+            "running": {name: float(getattr(optimizer, name)) for name in RUNNING_VALUES if hasattr(optimizer, name)}}
 
 
-def _set_counters(optimizer: Any, counters: dict[str, Any]) -> None:
-    optimizer.num_update = counters["num_update"]
-    optimizer._index_update_count = dict(counters["index_update_count"])
+def set_optimizer_counters(optimizer: Any, counters: dict[str, Any]) -> None:
+    """Put counters from :func:`optimizer_counters` into ``optimizer``.
+
+    MXNet 1.9.1 keeps one count table per device in ``_all_index_update_counts``, and each
+    ``Updater.__call__`` points ``_index_update_count`` back at the current device's table:
+    replacing ``_index_update_count`` alone is undone at the next update (Adam then ran with the
+    old counts). A device of ours the counters do not name gets the first device's counts."""
+    tables = {int(device): {_key(k): int(v) for k, v in counts.items()} for device, counts in counters["devices"]}
+    if not tables:
+        tables = {0: {}}
+    first = next(iter(tables.values()))
+    for device in optimizer._all_index_update_counts:
+        tables.setdefault(device, dict(first))
+    optimizer._all_index_update_counts = tables
+    optimizer._index_update_count = tables[min(tables)]
+    optimizer.num_update = int(counters["num_update"])
+    for name, value in counters.get("running", {}).items():
+        if name in RUNNING_VALUES and hasattr(optimizer, name):
+            setattr(optimizer, name, float(value))
+
+
+def set_updater_states(updaters: list[mx.optimizer.Updater], states: dict[int, Any] | None,
+                       counters: dict[str, Any] | None) -> None:
+    """Give ``updaters`` the states of :func:`states_to_host` and the counters of
+    :func:`optimizer_counters` (what ``Updater.set_states`` does after unpickling)."""
+    if states is not None:
+        for updater in updaters:
+            # states_synced False: MXNet moves each state to its parameter's device at the next update.
+            updater.states = {int(i): states_to_device(s) for i, s in states.items()}
+            updater.states_synced = dict.fromkeys(updater.states, False)
+    if counters is not None:
+        for optimizer in {id(u.optimizer): u.optimizer for u in updaters}.values():
+            set_optimizer_counters(optimizer, counters)
 
 
 def broadcast_optimizer_states(owner: Any, root_rank: int = 0, name: str = "optimizer_states") -> None:
@@ -78,16 +120,11 @@ def broadcast_optimizer_states(owner: Any, root_rank: int = 0, name: str = "opti
     updaters = updaters_of(owner, "broadcast_optimizer_states")
     mine = None
     if core.rank() == root_rank:
-        mine = ({int(i): states_to_host(s) for i, s in updaters[0].states.items()}, _counters(updaters[0].optimizer))
+        mine = ({int(i): states_to_host(s) for i, s in updaters[0].states.items()},
+                optimizer_counters(updaters[0].optimizer))
     states, counters = core.broadcast_object(mine, name, root_rank)
-    if core.rank() == root_rank:
-        return
-    for updater in updaters:
-        # What Updater.set_states does after unpickling: states_synced False moves each state to
-        # its parameter's device at the next update.
-        updater.states = {int(i): states_to_device(s) for i, s in states.items()}
-        updater.states_synced = dict.fromkeys(updater.states, False)
-    _set_counters(updaters[0].optimizer, counters)
+    if core.rank() != root_rank:
+        set_updater_states(updaters, states, counters)
 
 
 def load_optimizer_states(owner: Any, fname: str, root_rank: int = 0) -> None:
@@ -105,5 +142,5 @@ def load_optimizer_states(owner: Any, fname: str, root_rank: int = 0) -> None:
             updater.set_states(data)  # MXNet's own reader of its own file format
             loaded, updater.optimizer = updater.optimizer, kept
             if loaded is not kept:
-                _set_counters(kept, _counters(loaded))
+                set_optimizer_counters(kept, optimizer_counters(loaded))
     broadcast_optimizer_states(owner, root_rank, "load_optimizer_states")

@@ -39,7 +39,7 @@ from bps_gossip.elastic import run as _core_run
 from bps_gossip.elastic.comm import Comm
 
 from . import overlap
-from .checkpoints import states_to_device, states_to_host
+from .checkpoints import optimizer_counters, set_updater_states, states_to_host
 from .ops import to_device, to_host
 from .parameters import broadcast_initialized, is_initialized
 from .trainer import DistributedTrainer
@@ -113,20 +113,10 @@ class GluonState(ObjectState):
         return {index: states_to_host(state) for index, state in updaters[0].states.items()}
 
     def _load_optimizer_states(self, states: dict[int, Any] | None, counters: dict[str, Any] | None) -> None:
-        if states is not None:
-            for updater in self.trainer._updaters:
-                # What Updater.set_states does after unpickling; MXNet moves each state to its
-                # parameter's device at the next update (states_synced False).
-                updater.states = {int(index): states_to_device(state) for index, state in states.items()}
-                updater.states_synced = dict.fromkeys(updater.states, False)
-        if counters is not None:
-            optimizer = self.trainer._optimizer
-            optimizer.num_update = counters["num_update"]
-            optimizer._index_update_count = dict(counters["index_update_count"])
+        set_updater_states(self.trainer._updaters, states, counters)
 
     def _counters(self) -> dict[str, Any]:
-        optimizer = self.trainer._optimizer
-        return {"num_update": optimizer.num_update, "index_update_count": dict(optimizer._index_update_count)}
+        return optimizer_counters(self.trainer._optimizer)
 
     def _settle(self) -> None:
         """Let push_pulls queued in MXNet's engine finish; raise the error of one that failed."""

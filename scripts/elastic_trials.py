@@ -83,6 +83,8 @@ def check(trial: Trial) -> None:
         trial.problems.append("no worker finished")
     if trial.mode == "allreduce" and len({f[1] for f in finals}) > 1:
         trial.problems.append(f"finishing workers' parameters differ: {[f[1][:8] for f in finals]}")
+    if len({f[6] for f in finals}) > 1:  # Adam's bias correction reads them
+        trial.problems.append(f"finishing workers' optimizer update counts differ: {[f[6] for f in finals]}")
     if any(f[3] != EPOCHS for f in finals):
         trial.problems.append(f"a worker finished before epoch {EPOCHS}: {finals}")
     seen = collections.Counter((e, i) for values in found.values() for r in values if r[0] == "commit"
@@ -138,13 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["allreduce", "gossip", "both"], default="both")
     parser.add_argument("--fault", choices=["kill", "stop", "stall", "all"], default="kill")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                        help="adam: its update counters must also agree on every finishing worker")
     parser.add_argument("--show-failures", action="store_true", help="print a failed trial's whole output")
     args = parser.parse_args(argv)
     modes = ["allreduce", "gossip"] if args.mode == "both" else [args.mode]
     faults = ["KILL", "STOP", "STALL"] if args.fault == "all" else [args.fault.upper()]
     trials = random_trials(args.trials, modes, faults, args.seed)
     for index, trial in enumerate(trials, 1):
-        run_trial(trial)
+        run_trial(trial, extra_env={"OPTIMIZER": args.optimizer})
         print(f"{index:>3}/{len(trials)} {trial.describe()}", flush=True)
         if not trial.ok and args.show_failures:
             print(trial.output, flush=True)

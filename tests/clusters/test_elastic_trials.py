@@ -32,7 +32,11 @@ TRIALS = [
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,fault,rank,step", TRIALS, ids=[f"{m}-{f.lower()}-r{r}-s{s}" for m, f, r, s in TRIALS])
 def test_fault_trial(mode, fault, rank, step):
-    trial = elastic_trials.run_trial(elastic_trials.Trial(mode, fault, rank, step), timeout=180)
+    # Adam where a killed worker is replaced in allreduce mode: its update counts are state that the
+    # rollback and the joiner's sync must carry (issue 46: the joiner's were 155 against 252).
+    optimizer = "adam" if (mode, fault) == ("allreduce", "KILL") else "sgd"
+    trial = elastic_trials.run_trial(elastic_trials.Trial(mode, fault, rank, step), timeout=180,
+                                     extra_env={"OPTIMIZER": optimizer})
     assert trial.ok, f"{trial.describe()}\n{trial.output}"
     if fault in ("STOP", "STALL"):  # removed by the scheduler, not by its own death
         assert re.search(r"is alive but (no heartbeat|stuck).*asking its launcher to stop it", trial.output), \

@@ -21,7 +21,10 @@ from mxnet.gluon import nn
 import mxnet_plugin as bps
 
 B, F, C = 8, 10, 4
-OPTIMIZER = {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4}
+# Adam where the states are one rank's (its update counters are state too: issue 46), SGD with
+# momentum for gossip, where each rank's momentum is its own.
+OPTIMIZERS = {"kvstore": "adam", "module": "adam", "allreduce": "adam", "gossip": "sgd"}
+SETTINGS = {"adam": {"learning_rate": 0.01, "wd": 1e-4}, "sgd": {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4}}
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
 
@@ -45,9 +48,10 @@ def build(entry):
 
 
 def trainer_of(entry, net):
+    name = OPTIMIZERS[entry]
     if entry == "kvstore":
-        return gluon.Trainer(net.collect_params(), "sgd", OPTIMIZER, kvstore="bpsgossip")
-    return bps.DistributedTrainer(net.collect_params(), "sgd", OPTIMIZER, mode=entry)
+        return gluon.Trainer(net.collect_params(), name, SETTINGS[name], kvstore="bpsgossip")
+    return bps.DistributedTrainer(net.collect_params(), name, SETTINGS[name], mode=entry)
 
 
 def trainable(params):
@@ -131,8 +135,12 @@ def module_job(phase, n, folder, load):
             bps.broadcast_parameters(arg_params, root_rank=0)
             bps.broadcast_parameters(aux_params, root_rank=0)
         module.set_params(arg_params, aux_params)
-    module.init_optimizer(kvstore="bpsgossip", optimizer="sgd",
-                          optimizer_params={**OPTIMIZER, "rescale_grad": 1.0 / (B * size)})
+    name = OPTIMIZERS["module"]
+    # MXNet's Module file holds the states without the optimizer, so not its update counters:
+    # begin_num_update gives Adam's bias correction the steps already made (docs/checkpoints.md).
+    resumed = {"begin_num_update": n} if phase == "second" else {}
+    module.init_optimizer(kvstore="bpsgossip", optimizer=name,
+                          optimizer_params={**SETTINGS[name], "rescale_grad": 1.0 / (B * size), **resumed})
     if phase == "second":
         if load == "every":
             module.load_optimizer_states(f"{prefix}-{n:04d}.states")

@@ -2,14 +2,15 @@
 scripts/elastic_trials.py): a Gluon MLP with DistributedTrainer inside ``elastic.run``, a
 GluonState with an ElasticSampler, on made data (no download).
 
-Environment: MODE (allreduce or gossip), EPOCHS, SAMPLES, BATCH, COMMIT_EVERY, STEP_SLEEP
+Environment: MODE (allreduce or gossip), OPTIMIZER (sgd with momentum, or adam: its update counters
+are state that a rollback and a joiner's sync must carry), EPOCHS, SAMPLES, BATCH, COMMIT_EVERY, STEP_SLEEP
 (seconds per step), KILL_RANK/KILL_STEP (SIGKILL itself before that step, in generation 1),
 STOP_RANK/STOP_STEP (SIGSTOP itself there: a stuck worker), STALL_RANK/STALL_STEP (sleep for
 STALL_SECONDS there while its heartbeats go on: stuck but alive), LAST_STEPS_SLEEP (seconds per
 step of the last three; rank 0 prints LAST STEPS as they begin), AFTER_TRAINING_SLEEP (seconds
 between the end of training and the end of the program; rank 0 prints TRAINED).
 Prints RESULT lines: ["commit", [[epoch, index], ...]] for the real samples a commit makes
-permanent, ["restored", step_before, step_after], ["final", fingerprint, step, epoch, rank, size].
+permanent, ["restored", step_before, step_after], ["final", fingerprint, step, epoch, rank, size, num_update].
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from bps_gossip import HostsUpdatedInterrupt
 from mxnet_plugin import elastic
 
 MODE = os.environ.get("MODE", "allreduce")
+OPTIMIZER = os.environ.get("OPTIMIZER", "sgd")
+SETTINGS = {"sgd": {"learning_rate": 0.05, "momentum": 0.9}, "adam": {"learning_rate": 0.01}}
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
 SAMPLES = int(os.environ.get("SAMPLES", "96"))
 BATCH = int(os.environ.get("BATCH", "4"))
@@ -104,8 +107,7 @@ def main() -> None:
     net.initialize(mx.init.Xavier())
     net.hybridize()
     net(mx.nd.array(features[:1]))
-    trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
-                                     mode=MODE)
+    trainer = bps.DistributedTrainer(net.collect_params(), OPTIMIZER, SETTINGS[OPTIMIZER], mode=MODE)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     state = RecordedState(net, trainer, sampler=sampler, epoch=0, step=0)
 
@@ -143,7 +145,7 @@ def main() -> None:
         time.sleep(AFTER_TRAINING_SLEEP)
     if MODE == "gossip":
         trainer.average_parameters()
-    report(["final", fingerprint(net), state.step, state.epoch, bps.rank(), bps.size()])
+    report(["final", fingerprint(net), state.step, state.epoch, bps.rank(), bps.size(), trainer.optimizer.num_update])
     bps.shutdown()
 
 
