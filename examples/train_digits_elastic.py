@@ -21,7 +21,9 @@ import time
 
 import mxnet as mx
 
+import bps_gossip as core
 import mxnet_plugin as bps
+from bps_gossip import job_config
 from mxnet_plugin import elastic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +41,13 @@ def fingerprint(net: mx.gluon.Block) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise
-    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto"],
-                        default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower() or "allreduce",
-                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), else allreduce")
+    # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise, and
+    # BYTEPS_ENABLE_ASYNC=1, beside which DistributedTrainer refuses any mode but async
+    parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "async"],
+                        default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower()
+                        or ("async" if job_config().enable_async else "allreduce"),
+                        help="default: BPS_GOSSIP_MODE (bpslaunch --mode), async under BYTEPS_ENABLE_ASYNC=1, "
+                             "else allreduce")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -94,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"test accuracy {accuracy(net, x_test, y_test):.4f}", flush=True)
 
     train(state)
-    trainer.average_parameters()  # gossip mode: end on one model (allreduce: already one)
+    if args.mode == "async":  # every rank's last change in before anyone takes the weights
+        core.barrier()
+    trainer.average_parameters()  # gossip: end on one model; async: the servers' (allreduce: already one)
     final = accuracy(net, x_test, y_test)
     print(f"rank {bps.rank()} final test accuracy {final:.4f} after {state.step} steps, "
           f"{bps.size()} workers at the end", flush=True)

@@ -221,7 +221,9 @@ class Aggregations:
         if self.gone and push.store is None:  # the stored weights wait for nobody: a worker may finish first
             why = "; ".join(self.gone.values())
             return "lost", f"tensor {push.name!r}: {why}; this job is not elastic, so it cannot go on"
-        if push.gen < self.generation:
+        # The stored weights wait for nobody either: a pusher of the book this server still holds
+        # goes on through a change (a worker that finished and left opened it; the rest flush).
+        if push.gen < self.generation and not (push.store is not None and push.gen == self.book_generation):
             return "changed", f"tensor {push.name!r}: generation {push.gen} of the job has ended"
         return None
 

@@ -262,11 +262,20 @@ class Engine:
             command = inbox.popleft()  # only this thread pops while it runs
             if self._broken is not None and not isinstance(command, (cmd.Stop, cmd.Finished)):
                 self._drop(command, self._broken)
-            elif self._stale is not None and not isinstance(command, UNSTOPPABLE):
+            elif self._stale is not None and not isinstance(command, UNSTOPPABLE) \
+                    and not self._outlives_change(command):
                 if not isinstance(command, PEER_TRAFFIC):
                     self._drop(command, self._stale)
             else:
                 self._handlers[type(command)](command)
+
+    def _outlives_change(self, command: cmd.Command) -> bool:
+        """A stored-weights operation (asynchronous training) goes on through a change that rolls
+        nothing back: it waits for no other worker. A worker that finished and shut down opens such
+        a change, and the others' last pulls (flush() after elastic.run) must still complete."""
+        stale = self._stale
+        return (stale is not None and not stale.restore and isinstance(command, cmd.Submit)
+                and command.op.store is not None)
 
     # ------------------------------------------------------------------ commands
     def _on_local_push(self, route: bytes, push: Any) -> None:
@@ -359,7 +368,7 @@ class Engine:
 
     def _fail_pending(self, error: BpsGossipError) -> None:
         self._stale_grace = 0.0
-        self.servers.fail_all(error)
+        self.servers.fail_all(error, keep_stores=error is self._stale and not error.restore)
         self.peers.fail_all(error)
         self._fail_control(error)
 

@@ -4,6 +4,7 @@ worker goes, and when servers say nothing for too long. A part of
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any
 
@@ -54,13 +55,21 @@ class LinkFailures:
         op.reqs.clear()
         fail(op.future, error)
 
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every operation in flight or queued, and every stats request."""
+    def fail_all(self, error: BaseException, keep_stores: bool = False) -> None:
+        """Fail every operation in flight or queued, and every stats request. ``keep_stores``: an
+        elastic change that rolls nothing back leaves the stored-weights operations (asynchronous
+        training) alone: they wait for no other worker, so a worker that left changes nothing for them."""
         for op in list(self.pending):
-            self.fail_op(op, error)
-        self._heap.clear()
-        self._unacked.clear()
-        self._reqs.clear()
+            if not (keep_stores and op.store is not None):
+                self.fail_op(op, error)
+        if self.pending:
+            self._heap[:] = [entry for entry in self._heap if entry[2] in self.pending]
+            heapq.heapify(self._heap)
+            self._unacked = {req: server for req, server in self._unacked.items() if req in self._reqs}
+        else:
+            self._heap.clear()
+            self._unacked.clear()
+            self._reqs.clear()
         self.fail_stats(error)
 
     def fail_stats(self, error: BaseException) -> None:

@@ -42,8 +42,9 @@ def mode_class(mode: str | None, compression: CompressionSpec | None = None, fp1
     allreduce (with a warning). ValueError for a name that is not a mode."""
     config = core.job_config()
     if config.enable_async and mode is not None and mode != "async":
-        raise ValueError(f"DistributedTrainer: mode={mode!r} conflicts with BYTEPS_ENABLE_ASYNC=1, which asks for "
-                         "mode='async': unset one of them")
+        # A ConfigError (a ValueError): the same at every start, so an elastic launcher does not restart it.
+        raise core.ConfigError(f"DistributedTrainer: mode={mode!r} conflicts with BYTEPS_ENABLE_ASYNC=1, which asks "
+                               "for mode='async': unset one of them")
     if mode is None:
         mode = config.mode
         if fp16 and compression is None and mode == "gossip":
