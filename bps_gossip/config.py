@@ -46,7 +46,9 @@ class Config:
     partition_bytes: int = 4096000
     scheduling_credit: int = 4
     server_engine_threads: int = 2
-    server_io_threads: int = 2  # ZeroMQ I/O threads of a server: CURVE encrypts on them
+    # ZeroMQ I/O threads of a server (CURVE encrypts on them): as many as the usable CPUs, up to 4,
+    # the same default load_config gives (a fixed 2 made Config() != load_config({}) past 2 CPUs)
+    server_io_threads: int = dataclasses.field(default_factory=lambda: default_server_io_threads())
     log_level: str = "WARNING"
     force_distributed: bool = False
     min_compress_bytes: int = 65536  # BytePS's default: smaller tensors go uncompressed
@@ -222,6 +224,11 @@ def _host_reduce(env: Mapping[str, str]) -> str:
     return raw.lower() if raw.lower() in HOST_REDUCE_MODES else ("on" if raw.lower() in _TRUE else "off")
 
 
+def default_server_io_threads() -> int:
+    """BPS_GOSSIP_SERVER_IO_THREADS when unset: the usable CPUs, at most 4."""
+    return min(4, placement.usable_cpus())
+
+
 def _mode(env: Mapping[str, str]) -> dict[str, Any]:
     """BPS_GOSSIP_MODE, and BytePS's BYTEPS_ENABLE_ASYNC=1, which means mode async (a clear error
     beside another mode)."""
@@ -278,7 +285,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=1),
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=1),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 2, minimum=1),
-        server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", min(4, placement.usable_cpus()), minimum=1),
+        server_io_threads=_int(env, "BPS_GOSSIP_SERVER_IO_THREADS", default_server_io_threads(), minimum=1),
         log_level=log_level,
         force_distributed=env_flag(env, "BYTEPS_FORCE_DISTRIBUTED", False),
         min_compress_bytes=_int(env, "BYTEPS_MIN_COMPRESS_BYTES", 65536, minimum=0),

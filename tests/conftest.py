@@ -67,3 +67,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
         elif folder == "clusters":
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(autouse=True)
+def fake_cpu_count(request, monkeypatch):
+    """BPS_GOSSIP_TEST_CPUS=N makes this process see N usable CPUs (unit tests only: users' machines
+    have more than this one's 2; issue 46 found defaults that assumed 2). Run e.g.
+    ``BPS_GOSSIP_TEST_CPUS=64 python -m pytest -m unit``."""
+    import os
+
+    count = os.environ.get("BPS_GOSSIP_TEST_CPUS")
+    if count and request.node.get_closest_marker("unit") is not None:
+        monkeypatch.setattr(os, "cpu_count", lambda: int(count))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(int(count))))
+    yield

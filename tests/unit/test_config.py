@@ -285,3 +285,14 @@ def test_the_testing_hooks_refuse_outside_a_job():
     for hook in (testing.engine, testing.address_book, testing.host_link, testing.server_links, testing.segment_pool):
         with pytest.raises(NotInitializedError):
             hook()
+
+
+@pytest.mark.parametrize("cpus", [1, 4, 16, 64])
+def test_the_defaults_are_load_configs_on_any_machine(monkeypatch, cpus):
+    """Config() and load_config({}) agree however many CPUs the process may use (the server's I/O
+    threads were 2 in one and min(4, CPUs) in the other: 2 tests failed on 4, 16 or 64 CPUs)."""
+    from bps_gossip import placement
+
+    monkeypatch.setattr(placement, "usable_cpus", lambda: cpus)
+    assert load_config({}) == Config()
+    assert Config().server_io_threads == min(4, cpus)
