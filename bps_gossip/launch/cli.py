@@ -127,8 +127,9 @@ failed worker's code or the scheduler's (1).""",
                              "PMI_RANK, ...): without -np, -H and DMLC_ROLE, run BytePS mode as before")
     parser.add_argument("--mode", choices=TRAINER_MODES,
                         help="DistributedTrainer's default mode for this job (sets BPS_GOSSIP_MODE): gossip "
-                             "(SGP, the default), allreduce (BytePS's gradient averaging) or auto (whichever "
-                             "trains faster, measured while training)")
+                             "(SGP, the default), allreduce (BytePS's gradient averaging), auto (whichever "
+                             "trains faster, measured while training) or async (BytePS's asynchronous training, "
+                             "as BYTEPS_ENABLE_ASYNC=1)")
     placing = parser.add_argument_group("placement: where threads run (see docs/placement.md)")
     placing.add_argument("--comm-cores", metavar="N",
                          help="cores of this host reserved for communication (the scheduler, servers and each "
