@@ -133,6 +133,18 @@ def kill_host(hosts, name: str) -> None:
             pass
 
 
+SEGMENTS_BEFORE: set[str] = set()  # /dev/shm's segments of ours when the running test began
+
+
+@pytest.fixture(autouse=True)
+def segments_before():
+    """Another job's segments (one SIGKILLed on a host that lost power, in an earlier test or
+    beside this suite) are not this test's to answer for: only those made since it began count."""
+    SEGMENTS_BEFORE.clear()
+    SEGMENTS_BEFORE.update(p.name for p in Path("/dev/shm").glob(shm.PREFIX + "_*"))
+    yield
+
+
 def nothing_left(hosts, within: float = 15.0) -> None:
     """No process left on any host, and no job secret in /tmp (the hosts share this machine's: the
     secret files of the remote ends a test killed are removed as a reboot would, and as the next
@@ -143,7 +155,8 @@ def nothing_left(hosts, within: float = 15.0) -> None:
         if not any(left.values()):
             remote.sweep_secret_files()
             assert not list(Path("/tmp").glob(remote.SECRET_PREFIX + "*")), "a remote secret file was left behind"
-            assert not list(Path("/dev/shm").glob(shm.PREFIX + "*")), "shared memory was left behind"
+            made = {p.name for p in Path("/dev/shm").glob(shm.PREFIX + "_*")} - SEGMENTS_BEFORE
+            assert not made, f"shared memory was left behind: {sorted(made)}"
             return
         if time.monotonic() > deadline:
             pytest.fail(f"processes left on the hosts after the job: {left}")
