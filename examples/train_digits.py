@@ -183,7 +183,10 @@ def choose_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> st
     if args.fp16_pushpull and mode != "allreduce":
         if args.mode is None and given in ("", "gossip"):
             return "allreduce"
-        where = f"--mode {args.mode}" if args.mode else f"BPS_GOSSIP_MODE={given}"
+        # the setting the user made: --mode, BPS_GOSSIP_MODE (or bpslaunch --mode), or BYTEPS_ENABLE_ASYNC=1
+        where = (f"--mode {args.mode}" if args.mode else
+                 f"BPS_GOSSIP_MODE={given} (bpslaunch --mode sets it)" if os.environ.get("BPS_GOSSIP_MODE", "").strip()
+                 else "BYTEPS_ENABLE_ASYNC=1 (mode async)")
         parser.error(f"--fp16-pushpull pushes gradients as float16, which only mode allreduce does, not {where} "
                      f"(in gossip mode, --compressor compresses the messages)")
     return mode

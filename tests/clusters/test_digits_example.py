@@ -122,7 +122,9 @@ def test_fp16_pushpull_trains_with_allreduce(job):
 @pytest.mark.parametrize("argv, env, named", [
     (["--mode", "gossip"], {}, "not --mode gossip"),
     (["--mode", "both"], {}, "not --mode both"),
-    ([], {"BPS_GOSSIP_MODE": "auto"}, "not BPS_GOSSIP_MODE=auto"),
+    ([], {"BPS_GOSSIP_MODE": "auto"}, "not BPS_GOSSIP_MODE=auto (bpslaunch --mode sets it)"),
+    # issue 46: it named BPS_GOSSIP_MODE=async, a setting the user never made
+    ([], {"BYTEPS_ENABLE_ASYNC": "1"}, "not BYTEPS_ENABLE_ASYNC=1 (mode async)"),
 ])
 def test_fp16_pushpull_with_another_mode_is_a_usage_error(monkeypatch, capsys, argv, env, named):
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -228,7 +228,7 @@ def _unsupported(bps):
         check("sparse_grad Embedding", name == "ValueError" and "sparse_grad=False" in message
               and "row_sparse" in message, (name, message))
     store = mx.kv.create("bpsgossip")
-    for call, text in ((lambda: store.set_optimizer(mx.optimizer.SGD()), "update_on_kvstore=False"),
+    for call, text in ((lambda: store.set_optimizer(mx.optimizer.SGD()), "do not give the optimizer to the store"),
                        (lambda: store.row_sparse_pull(0, out=mx.nd.zeros((2, 2)).tostype("row_sparse"),
                                                       row_ids=mx.nd.array([0])), "dense")):
         name, message = raises(Exception, call)
