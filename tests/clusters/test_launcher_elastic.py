@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster import free_port
 from test_launcher import Job, job_command
 
 JOB = str(Path(__file__).resolve().parents[1] / "jobs" / "elastic_job.py")
@@ -223,4 +224,17 @@ def test_a_configuration_error_after_registration_is_not_restarted(job):
     assert "not restarting it, stopping the job" in err and "conflicts with BYTEPS_ENABLE_ASYNC=1" in err, err
     assert "restarting" not in err.replace("not restarting", ""), err
     print(f"failed in {time.monotonic() - started:.1f} s")
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(40)
+def test_join_where_no_job_answers_says_so_within_seconds(job):
+    """Issue 46: `bpslaunch --join` after the job ended waited 10 minutes (BPS_GOSSIP_START_TIMEOUT)
+    for a scheduler that had exited. Now it says within seconds that no job answers there."""
+    port = free_port()  # nothing listens on it: as a job that finished
+    started = time.monotonic()
+    code, out, err = job.finish(job.start(["--join", "--root", f"127.0.0.1:{port}", sys.executable, JOB]), timeout=30)
+    assert code == 1, out + err
+    assert f"no job answers at 127.0.0.1:{port} (it may have finished" in err, err
+    assert time.monotonic() - started < 15, err
     job.assert_nothing_left()
