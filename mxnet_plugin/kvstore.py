@@ -26,6 +26,7 @@ MXNet's 2bit and 1bit with MXNet's semantics; a server-side optimizer and sparse
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ from .optimizer import refuse_in_elastic_job
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error, wait_to_read
 from .unsupported import (
     SPARSE,
+    refuse_ignored_settings,
     refuse_sparse,
     refuse_sparse_arrays,
     refuse_update_on_kvstore,
@@ -70,6 +72,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
     def __init__(self) -> None:
         core.init()
         refuse_in_elastic_job("The 'bpsgossip' KVStore")
+        refuse_ignored_settings(os.environ, core.job_config().enable_async)
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
         self.overlap_backward = enabled_by_default()
         self._fusion = StepFusion("kvstore_", self._push_pull_alone)

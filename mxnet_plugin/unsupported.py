@@ -14,13 +14,28 @@ constructor where MXNet would only notice at the first step).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 SERVER_OPTIMIZER = ("has no server-side optimizer (its servers only sum gradients; they never run MXNet or "
                     "unpickle an optimizer): use update_on_kvstore=False, every rank then updates locally "
                     "with the same result")
 SPARSE = ("supports dense arrays only (no row_sparse gradients, weights or row_sparse_pull): use dense "
           "gradients, e.g. gluon.nn.Embedding(..., sparse_grad=False), the default")
+
+
+def refuse_ignored_settings(env: Mapping[str, str], enable_async: bool) -> None:
+    """ConfigError for settings the 'bpsgossip' store would otherwise ignore silently (every rank
+    would train synchronously, with local updates): BYTEPS_ENABLE_ASYNC=1 and
+    MXNET_UPDATE_ON_KVSTORE=1 (gluon.Trainer's and Module's updates on the servers)."""
+    from bps_gossip import ConfigError
+
+    if enable_async:
+        raise ConfigError("BYTEPS_ENABLE_ASYNC=1: the 'bpsgossip' KVStore (gluon.Trainer, Module) has no "
+                          "asynchronous mode; it would train synchronously. Use "
+                          "DistributedTrainer(..., mode='async') for asynchronous training, or unset it")
+    if env.get("MXNET_UPDATE_ON_KVSTORE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"MXNET_UPDATE_ON_KVSTORE={env['MXNET_UPDATE_ON_KVSTORE']}: the 'bpsgossip' KVStore "
+                          f"{SERVER_OPTIMIZER}; unset it or set it to 0")
 
 
 def refuse_update_on_kvstore(update_on_kvstore: Any, where: str) -> None:
