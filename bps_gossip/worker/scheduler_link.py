@@ -55,6 +55,8 @@ from ..transport import recv_message
 from ..transport.receive import MALFORMED, DropLog, drain
 from ..transport.sockets import SocketRole, open_socket
 
+CRASHED_LEAVE_WAIT = 0.5  # seconds a crashing worker waits for the scheduler's Bye
+
 
 @dataclasses.dataclass(frozen=True)
 class Book:
@@ -189,7 +191,11 @@ class SchedulerLink:
     def leave(self, crashed: bool) -> None:
         """Say goodbye and wait briefly for the answer (not at all if the scheduler went silent)."""
         send(self.sock, Leave(crashed=crashed))
-        deadline = time.monotonic() + (0.0 if self.silent else min(5.0, self.config.timeout))
+        # A crash (an uncaught exception, Ctrl-C) waits briefly: the Leave is sent either way, and
+        # on Ctrl-C the scheduler is being stopped too, so a Bye rarely comes (the worker lived on
+        # until bpslaunch SIGKILLed it at 3 s).
+        wait = CRASHED_LEAVE_WAIT if crashed else 5.0
+        deadline = time.monotonic() + (0.0 if self.silent else min(wait, self.config.timeout))
         while time.monotonic() < deadline and self.sock.poll(int((deadline - time.monotonic()) * 1000) + 1):
             _, header, _ = recv_message(self.sock, routed=False)
             try:
