@@ -74,6 +74,8 @@ class Config:
     trace_dir: str = "."
     mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS), auto or async
     enable_async: bool = False  # BytePS's BYTEPS_ENABLE_ASYNC: mode async, and no other
+    # MXNet's MXNET_UPDATE_ON_KVSTORE as given ('' unset): the 'bpsgossip' store refuses a true one
+    mxnet_update_on_kvstore: str = ""
     auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
     overlap_backward: bool = True  # the plugin's push_pulls run inside MXNet's engine (mxnet_plugin.overlap)
     shm_gradients: bool = True  # the plugin's gradients live in shared memory (mxnet_plugin.shared_gradients)
@@ -237,7 +239,8 @@ def _mode(env: Mapping[str, str]) -> dict[str, Any]:
     if enable_async and _get(env, "BPS_GOSSIP_MODE") is not None and mode != "async":
         raise ConfigError(f"BYTEPS_ENABLE_ASYNC=1 asks for mode async, BPS_GOSSIP_MODE={mode!r} for another: "
                           "unset one of them")
-    return {"mode": "async" if enable_async else mode, "enable_async": enable_async}
+    return {"mode": "async" if enable_async else mode, "enable_async": enable_async,
+            "mxnet_update_on_kvstore": env.get("MXNET_UPDATE_ON_KVSTORE", "").strip()}
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -26,7 +26,6 @@ MXNet's 2bit and 1bit with MXNet's semantics; a server-side optimizer and sparse
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any, Callable
 
@@ -72,7 +71,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
     def __init__(self) -> None:
         core.init()
         refuse_in_elastic_job("The 'bpsgossip' KVStore")
-        refuse_ignored_settings(os.environ, core.job_config().enable_async)
+        refuse_ignored_settings(core.job_config())
         self._pending: dict[Any, tuple[Any, np.ndarray]] = {}
         self.overlap_backward = enabled_by_default()
         self._fusion = StepFusion("kvstore_", self._push_pull_alone)

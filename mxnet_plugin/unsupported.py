@@ -14,7 +14,7 @@ constructor where MXNet would only notice at the first step).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 SERVER_OPTIMIZER = ("has no server-side optimizer (its servers only sum gradients; they never run MXNet or "
                     "unpickle an optimizer): use update_on_kvstore=False, every rank then updates locally "
@@ -23,18 +23,20 @@ SPARSE = ("supports dense arrays only (no row_sparse gradients, weights or row_s
           "gradients, e.g. gluon.nn.Embedding(..., sparse_grad=False), the default")
 
 
-def refuse_ignored_settings(env: Mapping[str, str], enable_async: bool) -> None:
+def refuse_ignored_settings(config: Any) -> None:
     """ConfigError for settings the 'bpsgossip' store would otherwise ignore silently (every rank
     would train synchronously, with local updates): BYTEPS_ENABLE_ASYNC=1 and
-    MXNET_UPDATE_ON_KVSTORE=1 (gluon.Trainer's and Module's updates on the servers)."""
+    MXNET_UPDATE_ON_KVSTORE=1 (gluon.Trainer's and Module's updates on the servers). ``config``:
+    the job's bps_gossip Config."""
     from bps_gossip import ConfigError
 
-    if enable_async:
+    if config.enable_async:
         raise ConfigError("BYTEPS_ENABLE_ASYNC=1: the 'bpsgossip' KVStore (gluon.Trainer, Module) has no "
                           "asynchronous mode; it would train synchronously. Use "
                           "DistributedTrainer(..., mode='async') for asynchronous training, or unset it")
-    if env.get("MXNET_UPDATE_ON_KVSTORE", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise ConfigError(f"MXNET_UPDATE_ON_KVSTORE={env['MXNET_UPDATE_ON_KVSTORE']}: the 'bpsgossip' KVStore "
+    value = config.mxnet_update_on_kvstore
+    if value.lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"MXNET_UPDATE_ON_KVSTORE={value}: the 'bpsgossip' KVStore "
                           f"{SERVER_OPTIMIZER}; unset it or set it to 0")
 
 
