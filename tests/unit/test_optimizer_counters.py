@@ -76,7 +76,9 @@ def test_a_loaded_rank_continues_the_run_exactly(name):
 
     assert optimizer_counters(second_trainer._optimizer) == optimizer_counters(trainer._optimizer)
     for got, want in zip(_weights(second), _weights(straight)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        # 1e-4: adadelta once failed 1e-5 in the full suite (not reproduced alone: float32 sums in another order?);
+        # the counters bug this guards against moved Adam by 4e-3
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_counters_survive_the_next_update():
