@@ -30,6 +30,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+def default_server_io_threads() -> int:
+    """BPS_GOSSIP_SERVER_IO_THREADS when unset: the usable CPUs, at most 4."""
+    return min(4, placement.usable_cpus())
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The parsed environment of one process (worker, server or scheduler)."""
@@ -48,7 +53,7 @@ class Config:
     server_engine_threads: int = 2
     # ZeroMQ I/O threads of a server (CURVE encrypts on them): as many as the usable CPUs, up to 4,
     # the same default load_config gives (a fixed 2 made Config() != load_config({}) past 2 CPUs)
-    server_io_threads: int = dataclasses.field(default_factory=lambda: default_server_io_threads())
+    server_io_threads: int = dataclasses.field(default_factory=default_server_io_threads)
     log_level: str = "WARNING"
     force_distributed: bool = False
     min_compress_bytes: int = 65536  # BytePS's default: smaller tensors go uncompressed
@@ -74,8 +79,7 @@ class Config:
     trace_dir: str = "."
     mode: str = "gossip"  # DistributedTrainer's default: gossip (SGP), allreduce (BytePS), auto or async
     enable_async: bool = False  # BytePS's BYTEPS_ENABLE_ASYNC: mode async, and no other
-    # MXNet's MXNET_UPDATE_ON_KVSTORE as given ('' unset): the 'bpsgossip' store refuses a true one
-    mxnet_update_on_kvstore: str = ""
+    mxnet_update_on_kvstore: bool = False  # MXNet's MXNET_UPDATE_ON_KVSTORE set true: the 'bpsgossip' store refuses it
     auto_window: int = 10  # mode='auto': steps between decisions (mxnet_plugin.modes.auto)
     overlap_backward: bool = True  # the plugin's push_pulls run inside MXNet's engine (mxnet_plugin.overlap)
     shm_gradients: bool = True  # the plugin's gradients live in shared memory (mxnet_plugin.shared_gradients)
@@ -226,11 +230,6 @@ def _host_reduce(env: Mapping[str, str]) -> str:
     return raw.lower() if raw.lower() in HOST_REDUCE_MODES else ("on" if raw.lower() in _TRUE else "off")
 
 
-def default_server_io_threads() -> int:
-    """BPS_GOSSIP_SERVER_IO_THREADS when unset: the usable CPUs, at most 4."""
-    return min(4, placement.usable_cpus())
-
-
 def _mode(env: Mapping[str, str]) -> dict[str, Any]:
     """BPS_GOSSIP_MODE, and BytePS's BYTEPS_ENABLE_ASYNC=1, which means mode async (a clear error
     beside another mode)."""
@@ -240,7 +239,8 @@ def _mode(env: Mapping[str, str]) -> dict[str, Any]:
         raise ConfigError(f"BYTEPS_ENABLE_ASYNC=1 asks for mode async, BPS_GOSSIP_MODE={mode!r} for another: "
                           "unset one of them")
     return {"mode": "async" if enable_async else mode, "enable_async": enable_async,
-            "mxnet_update_on_kvstore": env.get("MXNET_UPDATE_ON_KVSTORE", "").strip()}
+            "mxnet_update_on_kvstore": bool(env.get("MXNET_UPDATE_ON_KVSTORE", "").strip())
+            and env_flag(env, "MXNET_UPDATE_ON_KVSTORE", False)}
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -23,7 +23,6 @@ import mxnet as mx
 
 import bps_gossip as core
 import mxnet_plugin as bps
-from bps_gossip import job_config
 from mxnet_plugin import elastic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     # BYTEPS_ENABLE_ASYNC=1, beside which DistributedTrainer refuses any mode but async
     parser.add_argument("--mode", choices=["gossip", "allreduce", "auto", "async"],
                         default=os.environ.get("BPS_GOSSIP_MODE", "").strip().lower()
-                        or ("async" if job_config().enable_async else "allreduce"),
+                        or ("async" if core.job_config().enable_async else "allreduce"),
                         help="default: BPS_GOSSIP_MODE (bpslaunch --mode), async under BYTEPS_ENABLE_ASYNC=1, "
                              "else allreduce")
     parser.add_argument("--epochs", type=int, default=5)

@@ -42,6 +42,7 @@ from .ops import broadcast_async, finish_push_pull, to_host
 from .optimizer import refuse_in_elastic_job
 from .overlap import enabled_by_default, push_pull_in_engine, raise_pending_error, wait_to_read
 from .unsupported import (
+    NO_SERVER_OPTIMIZER,
     SPARSE,
     refuse_ignored_settings,
     refuse_sparse,
@@ -236,8 +237,7 @@ class BpsGossip(mx.kvstore.KVStoreBase):
     def set_optimizer(self, optimizer: Any) -> None:
         """Not supported: there is no server-side optimizer (is_capable('optimizer') is False)."""
         # Not SERVER_OPTIMIZER's "use update_on_kvstore=False": the caller of set_optimizer passed no such flag.
-        raise NotImplementedError(f"{NAME}.set_optimizer: {NAME} has no server-side optimizer (its servers only "
-                                  "sum; they never run MXNet or unpickle an optimizer): do not give the optimizer "
+        raise NotImplementedError(f"{NAME}.set_optimizer: {NAME} {NO_SERVER_OPTIMIZER}: do not give the optimizer "
                                   "to the store; every rank updates locally, e.g. gluon.Trainer(params, optimizer, "
                                   f"kvstore='{NAME}') or Module.init_optimizer(kvstore='{NAME}', optimizer=...), "
                                   "with the same result")

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-SERVER_OPTIMIZER = ("has no server-side optimizer (its servers only sum gradients; they never run MXNet or "
-                    "unpickle an optimizer): use update_on_kvstore=False, every rank then updates locally "
-                    "with the same result")
+from bps_gossip import ConfigError
+
+NO_SERVER_OPTIMIZER = ("has no server-side optimizer (its servers only sum gradients; they never run MXNet or "
+                       "unpickle an optimizer)")
+SERVER_OPTIMIZER = f"{NO_SERVER_OPTIMIZER}: use update_on_kvstore=False, every rank then updates locally with the same result"
 SPARSE = ("supports dense arrays only (no row_sparse gradients, weights or row_sparse_pull): use dense "
           "gradients, e.g. gluon.nn.Embedding(..., sparse_grad=False), the default")
 
@@ -28,16 +30,13 @@ def refuse_ignored_settings(config: Any) -> None:
     would train synchronously, with local updates): BYTEPS_ENABLE_ASYNC=1 and
     MXNET_UPDATE_ON_KVSTORE=1 (gluon.Trainer's and Module's updates on the servers). ``config``:
     the job's bps_gossip Config."""
-    from bps_gossip import ConfigError
-
     if config.enable_async:
         raise ConfigError("BYTEPS_ENABLE_ASYNC=1: the 'bpsgossip' KVStore (gluon.Trainer, Module) has no "
                           "asynchronous mode; it would train synchronously. Use "
                           "DistributedTrainer(..., mode='async') for asynchronous training, or unset it")
-    value = config.mxnet_update_on_kvstore
-    if value.lower() in ("1", "true", "yes", "on"):
-        raise ConfigError(f"MXNET_UPDATE_ON_KVSTORE={value}: the 'bpsgossip' KVStore "
-                          f"{SERVER_OPTIMIZER}; unset it or set it to 0")
+    if config.mxnet_update_on_kvstore:
+        raise ConfigError(f"MXNET_UPDATE_ON_KVSTORE=1 (or true/yes/on): the 'bpsgossip' KVStore {NO_SERVER_OPTIMIZER}; "
+                          "unset it or set it to 0, and every rank updates locally with the same result")
 
 
 def refuse_update_on_kvstore(update_on_kvstore: Any, where: str) -> None:

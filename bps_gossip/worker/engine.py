@@ -269,13 +269,11 @@ class Engine:
             else:
                 self._handlers[type(command)](command)
 
-    def _outlives_change(self, command: cmd.Command) -> bool:
+    def _outlives_change(self, command: cmd.Command) -> bool:  # only while self._stale is set
         """A stored-weights operation (asynchronous training) goes on through a change that rolls
         nothing back: it waits for no other worker. A worker that finished and shut down opens such
         a change, and the others' last pulls (flush() after elastic.run) must still complete."""
-        stale = self._stale
-        return (stale is not None and not stale.restore and isinstance(command, cmd.Submit)
-                and command.op.store is not None)
+        return not self._stale.restore and isinstance(command, cmd.Submit) and command.op.store is not None
 
     # ------------------------------------------------------------------ commands
     def _on_local_push(self, route: bytes, push: Any) -> None:

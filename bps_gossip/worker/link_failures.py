@@ -62,14 +62,12 @@ class LinkFailures:
         for op in list(self.pending):
             if not (keep_stores and op.store is not None):
                 self.fail_op(op, error)
-        if self.pending:
-            self._heap[:] = [entry for entry in self._heap if entry[2] in self.pending]
-            heapq.heapify(self._heap)
-            self._unacked = {req: server for req, server in self._unacked.items() if req in self._reqs}
-        else:
-            self._heap.clear()
-            self._unacked.clear()
-            self._reqs.clear()
+        self._heap[:] = [entry for entry in self._heap if entry[2] in self.pending]
+        heapq.heapify(self._heap)
+        for req in [req for req, (op, _, _) in self._reqs.items() if op not in self.pending]:
+            del self._reqs[req]
+        for req in [req for req in self._unacked if req not in self._reqs]:
+            del self._unacked[req]
         self.fail_stats(error)
 
     def fail_stats(self, error: BaseException) -> None:
