@@ -67,6 +67,12 @@ class HostsUpdatedInterrupt(WorkersChangedError):
         super().__init__(message, restore=False)
 
 
+class ResumedInterrupt(BpsGossipError):
+    """Raised by ``resume()`` inside ``elastic.run``: this worker is back in the job (admitted at
+    the others' commit, with a new rank), so ``run`` syncs its state from rank 0 and calls the
+    training function again, as for any joiner. Outside ``run``, resume() returns instead."""
+
+
 class JobEndedError(BpsGossipError):
     """An elastic job finished training before this worker was admitted or got its state:
     there is nothing left for it to do (init() and elastic.run turn it into exit status 0)."""

@@ -35,7 +35,8 @@ from .protocol import (
     send,
 )
 from .transport import recv_message
-from .transport.security import HandshakeWatch
+from .transport.security import HandshakeWatch, routing_id
+from .transport.sockets import SocketRole, open_socket
 from .transport.startup import StartupWait
 
 Also = Sequence[Tuple[zmq.Socket, Callable[[], None]]]  # other sockets to serve meanwhile
@@ -160,3 +161,28 @@ def join(sock: zmq.Socket, register: Register, config: Config, who: str, log: lo
     """
     return BookWait(sock, config, who, log).run(register, also)
 
+
+PROBE_SECONDS = 3.0  # how long a probe waits for the scheduler's handshake
+
+
+def scheduler_answers(config: Config, within: float = PROBE_SECONDS) -> bool:
+    """Whether the job's scheduler is there: a socket with this job's keys connects and waits
+    ``within`` seconds for the handshake, sending nothing. So --join and resume() say within
+    seconds that no job answers instead of waiting BPS_GOSSIP_START_TIMEOUT for a scheduler that
+    exited. A full handshake, not a bare TCP connection: the scheduler logs those as failed
+    handshakes. Raises ConfigError when the handshake fails (a secret that is not the job's)."""
+    ctx = zmq.Context.instance()
+    sock = open_socket(ctx, SocketRole.TO_SCHEDULER, config, routing_id("probe", config.keys))
+    watch = HandshakeWatch(sock)
+    deadline = time.monotonic() + within
+    try:
+        sock.connect(config.scheduler_address)
+        while not watch.connected:
+            watch.check(config.keys, "a probe of the job", config.scheduler_address)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    finally:
+        watch.close()
+        sock.close(linger=0)

@@ -7,7 +7,9 @@ committed every ``--commit-every`` steps. A crashed worker costs the steps since
 last commit; the survivors re-split what is left of the epoch and go on, and a worker
 that joins (``bpslaunch --join ...``) is absorbed at the next commit. ``--kill-rank R
 --kill-step S`` makes rank R SIGKILL itself at step S (once, in the first generation)
-to watch a recovery.
+to watch a recovery. ``--suspend-rank R --suspend-step S --suspend-for T`` makes rank R
+step out of the job with ``bps.suspend()`` at step S for T seconds (the others go on) and come
+back with ``bps.resume()``: it is admitted at the others' next commit and synced from rank 0.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def fingerprint(net: mx.gluon.Block) -> str:
     return digest.hexdigest()
 
 
+def step_out(seconds: float) -> None:
+    """Leave the job for ``seconds`` (the others go on without this worker), then join it again.
+    resume() raises ResumedInterrupt here, inside elastic.run: run gives this worker rank 0's
+    state (the others' by then) and calls the training function again."""
+    print(f"rank {bps.rank()}: suspending for {seconds:g} s", flush=True)
+    bps.suspend()
+    time.sleep(seconds)
+    bps.resume()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # bpslaunch --mode sets BPS_GOSSIP_MODE: the example follows it unless told otherwise, and
@@ -53,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--suspend-rank", type=int, default=-1)
+    parser.add_argument("--suspend-step", type=int, default=-1, help="the step after which it steps out")
+    parser.add_argument("--suspend-for", type=float, default=2.0, help="seconds out of the job")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds to sleep per step (pretend the model is bigger; leaves time to join)")
@@ -75,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     state.register_reset_callbacks([lambda: print(
         f"rank {bps.rank()}: now {bps.size()} workers (generation {bps.generation()})", flush=True)])
 
+    suspended: list[int] = []
+
     @elastic.run
     def train(state: elastic.GluonState) -> None:
         while state.epoch < args.epochs:
@@ -91,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 state.step += 1
                 if state.step % args.commit_every == 0:
                     state.commit()
+                if bps.rank() == args.suspend_rank and state.step == args.suspend_step and not suspended:
+                    suspended.append(state.step)  # once: after resume() the rank (and the step) may repeat
+                    step_out(args.suspend_for)
             state.epoch += 1
             sampler.set_epoch(state.epoch)
             state.commit()

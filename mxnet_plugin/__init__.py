@@ -11,8 +11,6 @@ Importing it also registers the 'bpsgossip' KVStore type.
 
 from __future__ import annotations
 
-import os as _os
-
 try:  # normally already imported at start-up by its .pth (see setup.py); not with python -S
     import bps_gossip_numpy_aliases as _numpy_aliases  # noqa: F401 - before mxnet, on numpy >= 1.24
 except ImportError:
@@ -20,6 +18,7 @@ except ImportError:
 
 import bps_gossip as _core
 from bps_gossip import generation, init, local_rank, local_size, rank, size
+from bps_gossip import suspension as _suspension
 
 from . import overlap as _overlap
 from .checkpoints import broadcast_optimizer_states, load_optimizer_states
@@ -63,17 +62,19 @@ def shutdown() -> None:
 
 
 def suspend() -> None:
-    """BytePS's suspend(): leave the job (shutdown()); resume() joins again."""
-    shutdown()
+    """BytePS's suspend(): leave the elastic job for a while (the others go on), after this
+    worker's queued push_pulls and gossip finish; :func:`resume` joins it again. Refused at once
+    (ConfigError) in a job that is not elastic and for a job's only worker. See docs/elastic.md."""
+    _suspension.suspend(leave=shutdown)
 
 
-def resume(num_workers: int, num_servers: int, global_rank: int | None = None, context: object = None) -> None:
-    """BytePS's resume(): init() again with DMLC_NUM_WORKER and DMLC_NUM_SERVER taken as given
-    (this process's environment is read, not changed).
+def resume(num_workers: int | None = None, num_servers: int | None = None, global_rank: int | None = None,
+           context: object = None) -> None:
+    """BytePS's resume(): join the job left by :func:`suspend` again, admitted at the others' next
+    commit with a new rank. Inside ``elastic.run`` it raises ResumedInterrupt, and ``run`` syncs
+    this worker's state from rank 0 before its training function goes on.
 
-    Ranks come from the scheduler (``global_rank`` is accepted and not used): in an elastic
-    job the worker is admitted again at the next commit; a job that is not elastic refuses
-    a worker once it has started, so there resume() fits only a job that is restarting.
-    """
-    environment = {**_os.environ, "DMLC_NUM_WORKER": str(int(num_workers)), "DMLC_NUM_SERVER": str(int(num_servers))}
-    init(_core.load_config(environment))
+    ``num_workers`` (worker machines, DMLC_NUM_WORKER) and ``num_servers`` are checked, not
+    applied: the running job decides who is in it. ``global_rank`` and ``context`` are accepted
+    for BytePS's signature and not used (ranks come from the scheduler)."""
+    _suspension.resume(num_workers, num_servers)

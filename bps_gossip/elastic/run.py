@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import JobEndedError, WorkersChangedError
+from ..errors import JobEndedError, ResumedInterrupt, WorkersChangedError
 from .comm import Comm, resolve
 from .state import State
 
 log = logging.getLogger("bps_gossip.elastic")
 Result = TypeVar("Result")
+_inside = threading.local()  # how many training functions of run() this thread is in
+
+
+def in_training_function() -> bool:
+    """True while this thread runs a training function of :func:`run` (resume() asks)."""
+    return getattr(_inside, "depth", 0) > 0
 
 
 def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..., Result]:
@@ -23,6 +30,9 @@ def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..
     the new generation; if anything crashed the state is rolled back to its last commit
     (the scheduler gives every rank the same answer), the reset callbacks run, and
     ``func`` is called again. Other errors propagate.
+
+    A worker that left with ``suspend()`` inside ``func`` and came back with ``resume()``
+    (which raises ResumedInterrupt here) is synced from rank 0 and ``func`` is called again.
 
     When ``func`` returns, the scheduler is told this worker finished training: the job
     admits no more workers from then on. A worker that joined but has no state yet when the
@@ -42,7 +52,11 @@ def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..
                 try:
                     state.sync()
                     job.holds_state()
-                    result = func(state, *args, **kwargs)
+                    _inside.depth = getattr(_inside, "depth", 0) + 1
+                    try:
+                        result = func(state, *args, **kwargs)
+                    finally:
+                        _inside.depth -= 1
                     job.training_finished()
                     return result
                 except WorkersChangedError as exc:
@@ -50,6 +64,9 @@ def run(func: Callable[..., Result], *, comm: Comm | None = None) -> Callable[..
                     if job.reset():
                         state.restore()
                     log.info("generation %d: rank %d of %d", job.generation(), job.rank(), job.size())
+                    state.on_reset()
+                except ResumedInterrupt as exc:  # suspend() then resume(): back in, with a new rank
+                    log.info("%s; syncing from rank 0", exc)
                     state.on_reset()
             except JobEndedError as exc:
                 job.exit_job_over(exc)  # exits with status 0

@@ -15,7 +15,6 @@ import dataclasses
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from collections.abc import Callable, Mapping
 from ..config import Config, load_config
 from ..errors import ConfigError
 from ..local_processes import start_ticks
+from ..rendezvous import scheduler_answers
 from .backend import check_command
 from .diagnosis import (
     NO_WORKER_REGISTERED,
@@ -138,24 +138,6 @@ def join_env(root: str | None, env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-JOIN_PROBE_SECONDS = 3.0  # how long --join waits for the scheduler's port to accept a connection
-
-
-def scheduler_answers(host: str, port: int, within: float = JOIN_PROBE_SECONDS) -> bool:
-    """Whether something listens on the job's scheduler port: a TCP connection opened and closed
-    at once (nothing sent), so that --join says within seconds that no job is there instead of
-    its worker waiting BPS_GOSSIP_START_TIMEOUT for a scheduler that exited."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-
-
 def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None = None) -> int:
     """``bpslaunch --join``: one worker process that joins the running elastic job at ``root``
     (HOST:PORT, default DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT). Returns its exit code."""
@@ -163,7 +145,12 @@ def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None
     child_env = join_env(root, given)
     check_command(command, child_env)
     host, port = child_env.get("DMLC_PS_ROOT_URI", "127.0.0.1"), int(child_env["DMLC_PS_ROOT_PORT"])
-    if not scheduler_answers(host, port):
+    try:
+        answers = scheduler_answers(load_config(child_env))
+    except ConfigError as exc:  # a wrong secret, a bad variable: the worker would fail the same way
+        print(f"bpslaunch: {exc}: not starting the worker", file=sys.stderr, flush=True)
+        return 1
+    if not answers:
         print(f"bpslaunch: no job answers at {host}:{port} (it may have finished, or the address is wrong): "
               "not starting the worker", file=sys.stderr, flush=True)
         return 1

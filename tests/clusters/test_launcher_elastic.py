@@ -236,3 +236,34 @@ def test_join_where_no_job_answers_says_so_within_seconds(job):
     assert f"no job answers at 127.0.0.1:{port} (it may have finished" in err, err
     assert time.monotonic() - started < 15, err
     job.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_a_suspended_worker_resumes_and_ends_on_the_others_model(job):
+    """Issue 46: suspend() then resume() had no working recipe (in an elastic job the resumed
+    worker was stopped as stuck and the job ended with one rank trained). Now rank 1 steps out
+    for 2 s, the others go on as 2 workers, and it comes back at their next commit, synced from
+    rank 0: all three end with one model, in generation 3, and the job exits 0."""
+    code, out, err = job.finish(job.start(["-np", "3", "--min-np", "1", sys.executable, EXAMPLE, "--epochs", "2",
+                                           "--suspend-rank", "1", "--suspend-step", "7", "--step-sleep", "0.05",
+                                           "--report-json"]), timeout=100)
+    assert code == 0, out + err
+    assert "rank 1: suspending for 2 s" in out and "now 2 workers (generation 2)" in out, out
+    finals = [r for values in results(out).values() for r in values]
+    assert len(finals) == 3 and {(r["size"], r["generation"], r["epoch"]) for r in finals} == {(3, 3, 2)}, out
+    assert len({r["fingerprint"] for r in finals}) == 1, out
+    assert "stopping" not in err and "still running" not in err, err
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_suspend_in_a_job_that_is_not_elastic_is_refused_at_once(job):
+    """A job that is not elastic cannot go on without the worker, nor take it back: suspend()
+    says so before leaving, instead of the others failing and resume() waiting 600 s."""
+    started = time.monotonic()
+    code, out, err = job.finish(job.start(["-np", "2", sys.executable, EXAMPLE, "--epochs", "1",
+                                           "--suspend-rank", "1", "--suspend-step", "3"]), timeout=50)
+    assert code != 0, out + err
+    assert "ConfigError: suspend() on rank 1: this job is not elastic" in out + err, out + err
+    assert time.monotonic() - started < 40, err
+    job.assert_nothing_left()

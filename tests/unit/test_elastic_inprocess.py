@@ -13,6 +13,7 @@ from bps_gossip.errors import (
     HostsUpdatedInterrupt,
     JobEndedError,
     NotInitializedError,
+    ResumedInterrupt,
     WorkersChangedError,
 )
 
@@ -138,6 +139,34 @@ def test_run_resets_rolls_back_and_calls_again():
     assert attempts == [0, 5, 9] and resets == [5, 9]
     assert comm.calls == ["init", "holds_state", "commit_check", "reset", "holds_state", "reset", "holds_state",
                           "training_finished"]
+
+
+def test_run_syncs_a_resumed_worker_without_a_reset_and_calls_again():
+    """resume() inside the training function raises ResumedInterrupt: the worker is in the new
+    generation already, so run must not reset (that would wait for one more change), only sync."""
+    comm = FakeComm(FakeWorld(1), 0)
+    state = ObjectState(step=0, comm=comm)
+    resets, attempts = [], []
+    state.register_reset_callbacks([lambda: resets.append(state.step)])
+
+    def train(state):
+        attempts.append(state.step)
+        if len(attempts) == 1:
+            state.step = 3
+            raise ResumedInterrupt("rank 0 of 1 resumed")
+        return state.step
+
+    assert run(train, comm=comm)(state) == 3
+    assert attempts == [0, 3] and resets == [3]
+    assert comm.calls.count("reset") == 0 and comm.calls.count("holds_state") == 2
+
+
+def test_resume_knows_whether_it_is_inside_a_training_function():
+    from bps_gossip.elastic.run import in_training_function
+    comm = FakeComm(FakeWorld(1), 0)
+    seen = []
+    run(lambda state: seen.append(in_training_function()), comm=comm)(ObjectState(comm=comm))
+    assert seen == [True] and not in_training_function()
 
 
 def test_run_exits_when_the_job_ended_without_this_joiner():
