@@ -67,6 +67,9 @@ class Config:
     min_workers: int = 1
     max_workers: int = 0  # 0: no limit
     elastic_timeout: float = 60.0
+    # Set by bpslaunch --join (BPS_GOSSIP_JOINER=1) once the job's scheduler answered its probe: a
+    # scheduler that then does not answer this worker within seconds has exited (the job ended).
+    joiner: bool = False
     # Elastic: a worker others have waited on this long in one round is removed (0: never).
     stall_timeout: float = 30.0
     start_timeout: float = 600.0  # the rendezvous must complete within this (every role)
@@ -381,7 +384,8 @@ def _elastic(env: Mapping[str, str], initial_workers: int) -> dict[str, Any]:
     if elastic and max_workers and initial_workers > max_workers:
         raise ConfigError(f"DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE = {initial_workers} initial workers "
                           f"exceed BPS_GOSSIP_MAX_WORKERS={max_workers}")
-    return {"elastic": elastic, "min_workers": min_workers, "max_workers": max_workers, "elastic_timeout": _float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0)}
+    return {"elastic": elastic, "min_workers": min_workers, "max_workers": max_workers, "elastic_timeout": _float(env, "BPS_GOSSIP_ELASTIC_TIMEOUT", 60.0),
+            "joiner": elastic and env_flag(env, "BPS_GOSSIP_JOINER", False)}
 
 
 def _trace(env: Mapping[str, str]) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def run_join(root: str | None, command: list[str], env: Mapping[str, str] | None
         return 1
     secret_file = child_env.get("BPS_GOSSIP_SECRET_FILE")
     found = "" if secret_file == given.get("BPS_GOSSIP_SECRET_FILE") else f", with the job's secret from {secret_file}"
+    child_env["BPS_GOSSIP_JOINER"] = "1"  # it answered: a worker it then ignores for seconds has ended
     print(f"bpslaunch: joining the elastic job at {child_env.get('DMLC_PS_ROOT_URI', '127.0.0.1')}:"
           f"{child_env['DMLC_PS_ROOT_PORT']} (admitted at its next commit{found})", file=sys.stderr, flush=True)
     with Supervisor() as sup:

@@ -8,7 +8,9 @@ system), and the scheduler need not be first. Registration therefore waits in tw
    message waits in the socket's queue. This may last BPS_GOSSIP_START_TIMEOUT (the deadline
    the scheduler itself has for the whole rendezvous). After a second a warning says whom
    the process waits for and which variables say so (a plain ``python train.py`` in a shell
-   with DMLC_* left over would otherwise wait in silence), then a line every 30 s.
+   with DMLC_* left over would otherwise wait in silence), then a line every 30 s. A worker of
+   ``bpslaunch --join`` (``Config.joiner``), whose scheduler answered a moment ago, waits
+   JOINER_CONNECT_SECONDS instead: the job ended in between.
 2. Connected (the handshake with the scheduler succeeded): the rest of the job may still be
    starting. The process heart-beats and waits as long as the scheduler answers; it gives up
    once the scheduler has been silent for BPS_GOSSIP_TIMEOUT. The scheduler ends a rendezvous
@@ -29,6 +31,9 @@ from .security import HandshakeWatch
 FIRST_NOTE_SECONDS = 1.0  # not connected this long: say whom this process waits for
 CONNECTED_NOTE_SECONDS = 10.0  # connected, but the job has not started this long: say who is missing
 NOTE_EVERY_SECONDS = 30.0  # then a progress line this often
+# A worker of bpslaunch --join, whose scheduler answered bpslaunch's probe a moment ago: not
+# connected this long, the scheduler has exited (the job ended in the seconds between).
+JOINER_CONNECT_SECONDS = 15.0
 
 
 class StartupWait:
@@ -80,6 +85,13 @@ class StartupWait:
                 self.log.warning("%s", self._missing(now))
             return
         waited = now - self.started
+        if cfg.joiner and waited > JOINER_CONNECT_SECONDS:
+            raise CommTimeoutError(
+                f"{self.who}: the elastic job at {cfg.root_uri}:{cfg.root_port} answered bpslaunch --join a moment "
+                f"ago, then did not answer this worker for {JOINER_CONNECT_SECONDS:g} s: it has ended (finished "
+                "training, or its scheduler was lost); not joining")
+        if cfg.joiner:
+            return  # connecting takes milliseconds; no note on leftover DMLC_* variables for a joiner
         if waited > cfg.start_timeout:
             raise CommTimeoutError(
                 f"{self.who}: no connection to the scheduler at {cfg.scheduler_address} within "

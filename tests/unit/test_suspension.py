@@ -77,3 +77,21 @@ def test_resume_where_the_job_is_gone_says_so_within_seconds(alone):
 def test_suspend_before_init_is_an_error(alone):
     with pytest.raises(core.NotInitializedError, match=r"suspend\(\)"):
         core.suspend()
+
+
+def test_a_joiner_whose_job_ended_meanwhile_gives_up_within_seconds(alone, monkeypatch):
+    """Issue 46.5: bpslaunch --join probes the scheduler, then starts the worker; a job that ends
+    in those seconds left the worker waiting BPS_GOSSIP_START_TIMEOUT (600 s) until killed."""
+    from bps_gossip.errors import CommTimeoutError
+    from bps_gossip.transport import startup
+    monkeypatch.setattr(startup, "JOINER_CONNECT_SECONDS", 1.0)
+    port = free_port()
+    config = load_config({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
+                          "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+                          "BPS_GOSSIP_ELASTIC": "1", "BPS_GOSSIP_JOINER": "1"})
+    assert config.joiner and config.start_timeout == 600
+    started = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=f"the elastic job at 127.0.0.1:{port} answered bpslaunch --join"):
+        core.init(config)
+    assert time.monotonic() - started < 8
+    assert not core.is_initialized()
