@@ -32,6 +32,7 @@ from .diagnosis import (
     not_worth_a_restart,
 )
 from .secret_files import find_secret_file
+from .sessions import describe_exit
 from .supervisor import Child, Supervisor
 
 SETTLE_SECONDS = 2.0  # a worker failure is acted on this long after it, at the earliest
@@ -91,16 +92,6 @@ def check_elastic_env(options: ElasticOptions, config: Config, num_proc: int) ->
         return
     if config.min_workers > num_proc:
         raise ConfigError(f"BPS_GOSSIP_MIN_WORKERS={config.min_workers} exceeds -np {num_proc}")
-
-
-def describe_exit(code: int) -> str:
-    """'code 3', or 'code 137 (killed by SIGKILL)'."""
-    if code > 128:
-        try:
-            return f"code {code} (killed by {signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
-    return f"code {code}"
 
 
 def join_command(port: int, command: list[str], secret_file: str | None = None) -> str:

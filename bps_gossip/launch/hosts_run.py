@@ -15,8 +15,9 @@ from ..errors import ConfigError
 from .backend import Process
 from .diagnosis import error_line, not_worth_a_restart
 from .discovery import Blacklist, HostDiscovery
-from .elastic import ElasticOptions, describe_exit, scheduler_reason
+from .elastic import ElasticOptions, scheduler_reason
 from .hostfile import Host
+from .sessions import describe_exit
 from .ssh import SshOptions, probe_host
 from .supervisor import SERVICE_EXIT_SECONDS, Child, Supervisor
 

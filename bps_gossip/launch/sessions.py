@@ -67,3 +67,11 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def describe_exit(code: int) -> str:
+    """'code 3', or 'code 137 (killed by SIGKILL)'."""
+    if code > 128:
+        try:
+            return f"code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"code {code}"

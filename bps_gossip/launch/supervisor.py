@@ -33,7 +33,7 @@ from ..local_processes import (
 )
 from ..transport import shm
 from .diagnosis import NO_WORKER_REGISTERED
-from .sessions import exit_code, start_in_session
+from .sessions import describe_exit, exit_code, start_in_session
 
 GRACE_SECONDS = 3.0  # between the polite signal and SIGKILL
 SERVICE_EXIT_SECONDS = 5.0  # how long the scheduler and servers get to exit after the workers
@@ -242,7 +242,10 @@ class Supervisor:
             if child.code is None and child.proc.poll() is not None:
                 child.code = exit_code(child.proc.returncode)
                 if child.segments_env is not None:  # a killed worker could not unlink its own
-                    shm.sweep_after(child.proc.pid, child.segments_env)
+                    removed = shm.sweep_after(child.proc.pid, child.segments_env)
+                    if removed:
+                        self.note(f"removed {removed} shared-memory segment(s) that {child.label} "
+                                  f"(pid {child.proc.pid}, {describe_exit(child.code)}) left in /dev/shm")
                 ended.append(child)
         return ended
 
@@ -330,9 +333,13 @@ class Supervisor:
         while (any(c.proc.poll() is None for c in alive) and time.monotonic() < deadline
                and len(self.signals) <= seen):
             time.sleep(_POLL_SECONDS)
+        late = [c for c in alive if c.proc.poll() is None]
+        if late and len(self.signals) <= seen:  # (a second Ctrl-C asked for it: nothing to say)
+            self.note(f"{', '.join(c.label for c in late)} still running {GRACE_SECONDS:g} s after "
+                      f"{signal.Signals(sig).name}: SIGKILL")
+        for child in late:
+            self.signal_group(child.proc.pid, signal.SIGKILL)
         for child in alive:
-            if child.proc.poll() is None:
-                self.signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
         self.reap()
 

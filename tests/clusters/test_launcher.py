@@ -237,6 +237,10 @@ def test_signal_stops_everything(job, sig):
     code, out, err = job.finish(proc, timeout=15)
     assert code == 128 + sig, out + err
     assert_pids_gone([int(pid) for pid in re.findall(r"READY (\d+)", out)])
+    if sig == signal.SIGTERM:  # said, with whom: the escalation is no accident
+        assert "worker 0 still running 3 s after SIGTERM: SIGKILL" in err, err
+    else:  # a worker that exits on the signal is never SIGKILLed
+        assert "SIGKILL" not in err, err
     job.assert_nothing_left()
 
 
@@ -374,3 +378,34 @@ def test_free_port_is_never_one_the_kernel_hands_out_for_port_0():
     for port in list(picks)[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free when picked
+
+
+@pytest.mark.timeout(30)
+def test_bpslaunch_removes_what_a_killed_worker_left_in_shared_memory_and_says_how_much(capsys):
+    """Issue 46.12: a SIGKILLed worker cannot unlink its segments; bpslaunch, which started it and
+    knows its pid, removes exactly that process's segments of that job, and says how many."""
+    port = free_port()
+    makes = ("import os, sys, time; from pathlib import Path\n"
+             "for i in range(2): Path(f'/dev/shm/bpsg_{sys.argv[1]}_{os.getpid()}_t{i}').write_bytes(b'x')\n"
+             "print('MADE', flush=True); time.sleep(60)\n")
+    other = Path(f"/dev/shm/bpsg_{port}_1_kept")  # another process's segment of the same job: not its
+    other.write_bytes(b"x")
+    try:
+        with supervisor.Supervisor() as sup:
+            child = sup.start([sys.executable, "-c", makes, str(port)], {**os.environ, "DMLC_PS_ROOT_PORT": str(port)},
+                              "worker", "worker 7", "[7] ")
+            made = sorted(Path("/dev/shm").glob(f"bpsg_{port}_{child.proc.pid}_*"))
+            deadline = time.monotonic() + 20
+            while len(made) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                made = sorted(Path("/dev/shm").glob(f"bpsg_{port}_{child.proc.pid}_*"))
+            assert len(made) == 2
+            os.kill(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+            assert sup.reap() == [child]
+            assert not any(path.exists() for path in made) and other.exists()
+        err = capsys.readouterr().err
+        assert (f"bpslaunch: removed 2 shared-memory segment(s) that worker 7 (pid {child.proc.pid}, "
+                "code 137 (killed by SIGKILL)) left in /dev/shm") in err, err
+    finally:
+        other.unlink(missing_ok=True)
