@@ -239,8 +239,8 @@ def _mode(env: Mapping[str, str]) -> dict[str, Any]:
     mode = _choice(env, "BPS_GOSSIP_MODE", TRAINER_MODES)
     enable_async = env_flag(env, "BYTEPS_ENABLE_ASYNC", False)
     if enable_async and _get(env, "BPS_GOSSIP_MODE") is not None and mode != "async":
-        raise ConfigError(f"BYTEPS_ENABLE_ASYNC=1 asks for mode async, BPS_GOSSIP_MODE={mode!r} for another: "
-                          "unset one of them")
+        raise ConfigError(f"BYTEPS_ENABLE_ASYNC=1 asks for mode async, BPS_GOSSIP_MODE={mode!r} (set by bpslaunch "
+                          "--mode, or by hand) for another: unset one of them")
     return {"mode": "async" if enable_async else mode, "enable_async": enable_async,
             "mxnet_update_on_kvstore": bool(env.get("MXNET_UPDATE_ON_KVSTORE", "").strip())
             and env_flag(env, "MXNET_UPDATE_ON_KVSTORE", False)}

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping
 
 from .. import placement
-from ..config import TRAINER_MODES
+from ..config import TRAINER_MODES, env_flag
 from ..errors import ConfigError
 from .backend import Backend
 from .batch import BatchBackend
@@ -45,6 +45,14 @@ def choose_backend(args: argparse.Namespace, env: Mapping[str, str]) -> Backend:
         if chosen is not None:
             return chosen
     raise ConfigError("no launcher backend applies")  # unreachable while BytepsBackend is last
+
+
+def check_mode(mode: str | None, env: Mapping[str, str]) -> None:
+    """Refuse --mode beside BYTEPS_ENABLE_ASYNC=1 (which means async), naming the flag: the
+    workers would say BPS_GOSSIP_MODE, which the user never set."""
+    if mode not in (None, "async") and env_flag(env, "BYTEPS_ENABLE_ASYNC", False):
+        raise ConfigError(f"--mode {mode} conflicts with BYTEPS_ENABLE_ASYNC=1, which asks for mode async: "
+                          "give --mode async, or unset BYTEPS_ENABLE_ASYNC")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -190,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     Supervisor.output_dir, Supervisor.timestamps = args.output_dir, args.timestamps
+    try:
+        check_mode(args.mode, os.environ)
+    except ConfigError as exc:
+        print(f"bpslaunch: {exc}", file=sys.stderr)
+        return 2
     if args.mode is not None:  # every child inherits it, whichever way the job is launched
         os.environ["BPS_GOSSIP_MODE"] = args.mode
     if args.comm_cores is not None:

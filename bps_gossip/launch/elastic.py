@@ -311,11 +311,12 @@ class ElasticRun:
                 f"again, stopping the job{said}")
 
     def _stop_unadmitted(self) -> None:
-        """The scheduler ended the job. A replacement still running was not needed: it was never
-        admitted, or it is still starting and would find no scheduler; it is stopped, and its exit
-        status does not count. First workers count as usual."""
+        """The scheduler ended the job. A replacement still running that never registered is still
+        starting and would find no scheduler: it is stopped, and its exit status does not count.
+        One that registered trained (or was told the job is over) and is exiting: it counts, as
+        first workers do (before, it was stopped with a note although it trained to the end)."""
         for slot, child in self.current.items():
-            if child.proc.poll() is None and id(child) not in self.first_workers:
+            if child.proc.poll() is None and id(child) not in self.first_workers and not child.registered:
                 self.given_up.add(slot)
                 self._note(f"{child.label} (a replacement) is still running after the job ended; stopping it")
                 self.sup.signal_group(child.proc.pid, signal.SIGTERM)

@@ -67,6 +67,7 @@ def test_crashed_worker_is_restarted_and_job_is_exact(job):
     assert sorted(r[4] for r in finals) == [0, 1]  # the survivor and the replacement
     assert any(r[0] == "final" for r in found["w2"]), out
     assert any(r[0] == "commit" for r in found["w2"]), "the replacement never trained"
+    assert "still running after the job ended" not in err, err  # issue 46.9: it trained to the end
     job.assert_nothing_left()
 
 
@@ -266,4 +267,20 @@ def test_suspend_in_a_job_that_is_not_elastic_is_refused_at_once(job):
     assert code != 0, out + err
     assert "ConfigError: suspend() on rank 1: this job is not elastic" in out + err, out + err
     assert time.monotonic() - started < 40, err
+    job.assert_nothing_left()
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_that_trained_to_the_end_is_not_stopped(job):
+    """Issue 46.9: every elastic run with a replacement ended with "w3 (a replacement) is still
+    running after the job ended; stopping it", although w3 trained to the end (it was leaving).
+    Only a replacement that never registered is stopped; this one exits 0 by itself."""
+    code, out, err = job.finish(job.start(["-np", "3", "--min-np", "2", sys.executable, EXAMPLE, "--epochs", "5",
+                                           "--kill-rank", "1", "--kill-step", "8", "--step-sleep", "0.05",
+                                           "--report-json"]), timeout=140)
+    assert code == 0, out + err
+    found = results(out)
+    assert [r["generation"] for r in found["w3"]] == [3], out + err  # the replacement trained to the end
+    assert len({r["fingerprint"] for values in found.values() for r in values}) == 1, out
+    assert "still running" not in err and "stopping" not in err, err
     job.assert_nothing_left()
