@@ -5,6 +5,8 @@ parameters, the optimizer's momentum and its update counters all came back."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from cluster import assert_all_ok, results_by_rank
@@ -52,3 +54,21 @@ def _check(straight: list, resumed: list, entry: str, load: str) -> None:
         for name, values in whole["weights"].items():
             np.testing.assert_allclose(second["weights"][name], values, **tolerance,
                                        err_msg=f"rank {whole['rank']}, loaded on {load}: {name} after the restart")
+
+
+@pytest.mark.timeout(300)
+def test_async_training_continues_from_the_servers_model(cluster, tmp_path):
+    """docs/checkpoints.md's async recipe: barrier, flush (every rank takes the servers' weights),
+    save on rank 0 (and each rank its own momentum). The order of asynchronous pushes differs
+    from run to run, so no run is the reference of another: the new job's first loss on each rank
+    must be the saved model's on that batch (it starts from the servers' model, not from a rank's
+    own), and after its own barrier and flush every rank holds one model."""
+    first = _run(cluster, "async", "first", tmp_path)
+    assert len({json.dumps(r["weights"]) for r in first}) == 1, "the saved model is not every rank's"
+    for load in ("every", "root"):
+        second = _run(cluster, "async", "second", tmp_path, load)
+        for before, after in zip(first, second):
+            np.testing.assert_allclose(after["losses"][0], before["next_loss"], rtol=1e-5,
+                                       err_msg=f"rank {before['rank']}, loaded on {load}: the first loss")
+            assert np.isfinite(after["losses"]).all()
+        assert len({json.dumps(r["weights"]) for r in second}) == 1, f"loaded on {load}: ranks end apart"

@@ -18,12 +18,13 @@ from job_tools import report, run
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
+import bps_gossip as core
 import mxnet_plugin as bps
 
 B, F, C = 8, 10, 4
 # Adam where the states are one rank's (its update counters are state too: issue 46), SGD with
 # momentum for gossip, where each rank's momentum is its own.
-OPTIMIZERS = {"kvstore": "adam", "module": "adam", "allreduce": "adam", "gossip": "sgd"}
+OPTIMIZERS = {"kvstore": "adam", "module": "adam", "allreduce": "adam", "gossip": "sgd", "async": "sgd"}
 SETTINGS = {"adam": {"learning_rate": 0.01, "wd": 1e-4}, "sgd": {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4}}
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
@@ -78,11 +79,11 @@ def gluon_job(entry, phase, n, folder, load):
     net = build(entry)
     trainer = trainer_of(entry, net)
     params_file, states_file = os.path.join(folder, "net.params"), os.path.join(folder, "trainer.states")
-    own_states = f"{states_file}.{rank}"  # gossip: each rank's momentum is its own
+    own_states = f"{states_file}.{rank}"  # gossip, async: each rank's momentum is its own
     if phase == "second":
         if load == "every":  # a file system every rank reads
             net.load_parameters(params_file)
-            trainer.load_states(own_states if entry == "gossip" else states_file)
+            trainer.load_states(own_states if entry in ("gossip", "async") else states_file)
         else:  # rank 0 reads, everyone gets its values
             if rank == 0:
                 net.load_parameters(params_file)
@@ -92,14 +93,20 @@ def gluon_job(entry, phase, n, folder, load):
     losses = gluon_steps(entry, net, trainer, range(first, first + n), rank, size)
     if phase in ("first", "straight") and entry == "gossip":
         trainer.average_parameters()  # one model to save: every rank's average
-    if phase == "first" and entry == "gossip":
+    after = {}
+    if entry == "async":  # every rank's last change in, then every rank takes the servers' weights
+        core.barrier()
+        trainer.flush()
+        x, y = batch(entry, first + n, rank)  # the model saved, on the batch the next job starts with
+        after = {"next_loss": float(loss_fn(net(mx.nd.array(x)), mx.nd.array(y)).mean().asscalar())}
+    if phase == "first" and entry in ("gossip", "async"):
         trainer.save_states(own_states)
     if phase == "first" and rank == 0:
         net.save_parameters(params_file)
         trainer.save_states(states_file)
     if phase == "straight":
         losses += gluon_steps(entry, net, trainer, range(n, 2 * n), rank, size)
-    return {"rank": rank, "losses": losses, "weights": trainable(net.collect_params())}
+    return {"rank": rank, "losses": losses, "weights": trainable(net.collect_params()), **after}
 
 
 def symbol():
