@@ -67,8 +67,9 @@ class ClusterShape:
         return f"{self.workers}w{self.servers}s"
 
 
-def parse_configs(text: str) -> list[ClusterShape]:
-    """'2w1s,4w1s' (or '2x1,4x1') -> shapes."""
+def parse_configs(text: str, min_workers: int = 2) -> list[ClusterShape]:
+    """'2w1s,4w1s' (or '2x1,4x1') -> shapes (``min_workers``: 1 for a lone worker whose
+    communication is forced through a local server)."""
     shapes = []
     for item in filter(None, (part.strip().lower() for part in text.split(","))):
         body = item.replace("w", "x").replace("s", "").replace("xx", "x")
@@ -76,8 +77,8 @@ def parse_configs(text: str) -> list[ClusterShape]:
             workers, servers = (int(v) for v in body.split("x"))
         except ValueError:
             raise SystemExit(f"bad configuration {item!r}: use e.g. 2w1s or 2x1") from None
-        if workers < 2 or servers < 1:
-            raise SystemExit(f"bad configuration {item!r}: needs >= 2 workers and >= 1 server")
+        if workers < min_workers or servers < 1:
+            raise SystemExit(f"bad configuration {item!r}: needs >= {min_workers} workers and >= 1 server")
         shapes.append(ClusterShape(workers, servers))
     return shapes
 
@@ -323,6 +324,8 @@ class WorkerGroup:
             role_argv = {role: [sys.executable, "-c", "import mxnet"] for role in ("scheduler", "server")}
         elif system.kind == "bps":
             role_argv = {role: [sys.executable, "-m", f"bps_gossip.{role}"] for role in ("scheduler", "server")}
+            if shape.workers == 1:  # alone it would not communicate: through its server, as MXNet's dist_sync
+                common["BYTEPS_FORCE_DISTRIBUTED"] = "1"
         elif system.kind == "local":
             role_argv = {}  # workers that never communicate: no scheduler, no servers
         else:

@@ -1,14 +1,15 @@
-"""Training throughput: mxnet_plugin.DistributedTrainer (allreduce, gossip) against
-gluon.Trainer with MXNet's dist_sync KVStore, same MLP, same synthetic data.
-
-    /tmp/venv/bin/python scripts/bench_training.py --quick
-    /tmp/venv/bin/python scripts/bench_training.py --json training.json
+"""Training throughput of every entry point against MXNet's dist_sync, same model and synthetic
+data (``.venv/bin/python scripts/bench_training.py --quick``, ``--json training.json``).
 
 Every system runs its own cluster (1 scheduler, 1 server, N workers) on 127.0.0.1, all at
 once; the driver interleaves them pass by pass. A pass is ``--steps`` training steps after a
 barrier, ended by ``mx.nd.waitall()``; samples/s = workers * batch * steps / the slowest rank's
 time, median over passes. The default model is 1024-2048-2048-10 (25 MB of gradients a step);
 ``--model`` takes Gluon model-zoo CNNs.
+
+``--configs 1w1s``: one worker forced through a local server (BYTEPS_FORCE_DISTRIBUTED=1; MXNet's
+dist_sync with one worker). ``--wait-policy default,active,passive``: one run per OMP_WAIT_POLICY
+(MXNet's wheel uses the system's libgomp): compare each system at its better policy.
 
 "ours kvstore" is gluon.Trainer with ``kvstore=mx.kv.create('bpsgossip')``, "ours module" the
 Module API with ``kvstore='bpsgossip'``; "no overlap" rows run with
@@ -330,11 +331,19 @@ def cpu_per_step(cpu_seconds: dict[str, float], workers: int, steps: int) -> dic
     return per_step
 
 
-def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+WAIT_POLICIES = ("default", "active", "passive")  # OMP_WAIT_POLICY: unset (libgomp's spin, then sleep), or set
+
+
+def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Namespace,
+                policy: str = "default") -> dict[str, Any]:
     """Every system on one cluster configuration, interleaved pass by pass, with ``threads``
-    OpenMP threads per worker."""
+    OpenMP threads per worker waiting by ``policy``."""
     argv = [sys.executable, str(Path(__file__).resolve())]
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of every system
+    if policy == "default":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
     groups = start_groups(job, args.systems, shape, argv)
     results: dict[str, Any] = {}
     try:
@@ -372,7 +381,7 @@ def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Name
         for group in groups:
             group.close()
     return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "threads": threads,
-            "systems": results}
+            "wait_policy": policy, "systems": results}
 
 
 def _ratio(entry: dict[str, Any], ref: dict[str, Any], key: str) -> str:
@@ -402,7 +411,7 @@ def format_results(records: list[dict[str, Any]]) -> str:
             if system.name not in rec["systems"]:
                 continue  # not selected with --systems
             entry = rec["systems"].get(system.name, {})
-            head = [rec["config"], str(rec.get("threads", "")), system.name]
+            head = [rec["config"], _threads(rec), system.name]
             if "samples_per_s" not in entry:
                 rows.append([*head, *["n/a"] * (6 + len(CPU_COLUMNS))])
                 continue
@@ -412,6 +421,12 @@ def format_results(records: list[dict[str, Any]]) -> str:
                          *_cpu_cells(system, entry)])
     return format_table(["config", "threads", "system", "samples/s", "ms/step", "ratio vs mxnet", "% of ceiling",
                          "best pass samples/s", "best ratio", *[f"{key} ms/step" for key in CPU_COLUMNS]], rows)
+
+
+def _threads(rec: dict[str, Any]) -> str:
+    """'2', or '2 active' when OpenMP's wait policy was set."""
+    policy = rec.get("wait_policy", "default")
+    return f"{rec.get('threads', '')}" + ("" if policy == "default" else f" {policy}")
 
 
 def _percent(entry: dict[str, Any], ceiling: dict[str, Any]) -> str:
@@ -436,14 +451,14 @@ def summarize(paths: list[Path]) -> str:
                 if "samples_per_s" not in entry:
                     continue
                 percent = _percent(entry, ceiling)
-                lines.append(f"| {data['model']} | {rec['config']} | {rec.get('threads', '')} | {system.name} | "
+                lines.append(f"| {data['model']} | {rec['config']} | {_threads(rec)} | {system.name} | "
                              f"{entry['samples_per_s']:.0f} | {percent} | {_ratio(entry, ref, 'samples_per_s')} | "
                              + " | ".join(_cpu_cells(system, entry)) + " |")
                 if system.kind == "bps" and "samples_per_s" in ceiling:
                     ours.append((entry["samples_per_s"] / ceiling["samples_per_s"], system.name))
             if ours:
                 share, name = min(ours)
-                lowest.append(f"{data['model']} {rec['config']} x {rec.get('threads', '?')} threads: "
+                lowest.append(f"{data['model']} {rec['config']} x {_threads(rec)} threads: "
                               f"lowest of ours {100 * share:.0f}% of the ceiling ({name})")
     return "\n".join(lines + [""] + lowest)
 
@@ -458,7 +473,8 @@ def parse_args() -> argparse.Namespace:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 workers only, 3 passes of 5 steps")
-    parser.add_argument("--configs", help="comma-separated WwSs shapes (default 2w1s,4w1s; --quick 2w1s)")
+    parser.add_argument("--configs", help="comma-separated WwSs shapes (default 2w1s,4w1s; --quick 2w1s); 1w1s: one worker "
+                             "forced through a local server")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp",
                         help="mlp (1024-2048-2048-10), or a Gluon model-zoo CNN at 32x32 inputs")
     parser.add_argument("--batch", type=int, help="samples per worker and step (default: mlp 64, "
@@ -466,6 +482,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of every worker: a count, 'auto' "
                         "(the cores this process may use / workers: every core computes), or several, "
                         "comma-separated, each a run of every configuration (default 1: 2 workers fill 2 cores)")
+    parser.add_argument("--wait-policy", default="default",
+                        help="OMP_WAIT_POLICY of every process: comma-separated of default (unset), active, "
+                             "passive; each is one more run of every configuration")
     parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
     parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps after building the trainer")
@@ -479,7 +498,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker-kind", help=argparse.SUPPRESS)
     parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.shapes = parse_configs(args.configs or ("2w1s" if args.quick else "2w1s,4w1s"))
+    args.shapes = parse_configs(args.configs or ("2w1s" if args.quick else "2w1s,4w1s"), min_workers=1)
+    args.policies = [part.strip().lower() for part in args.wait_policy.split(",") if part.strip()] or ["default"]
+    bad = [policy for policy in args.policies if policy not in WAIT_POLICIES]
+    if bad:
+        parser.error(f"--wait-policy {','.join(bad)}: use {', '.join(WAIT_POLICIES)}")
     args.batch = args.batch or MODELS[args.model]
     args.steps = args.steps or (5 if args.quick else 10)
     args.passes = args.passes or (3 if args.quick else 5)
@@ -525,8 +548,10 @@ def main() -> int:
         try:
             for shape in args.shapes:
                 for spec in args.thread_specs:
-                    records.append(bench_shape(job, shape, threads_per_worker(spec, shape.workers), args))
-                    print(format_results(records[-1:]) + "\n", flush=True)
+                    for policy in args.policies:
+                        records.append(bench_shape(job, shape, threads_per_worker(spec, shape.workers), args,
+                                                   policy))
+                        print(format_results(records[-1:]) + "\n", flush=True)
         except BenchError as exc:
             print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr)
             return 1
@@ -537,6 +562,7 @@ def main() -> int:
     write_json(args.json, {"what": "training", "machine_at_start": info, "machine_at_end": machine_info(),
                            "model": args.model, "layers": LAYERS, "batch": args.batch, "steps": args.steps,
                            "passes": args.passes, "warmup_steps": args.warmup, "threads": args.thread_specs,
+                           "wait_policies": args.policies,
                            "cpu_source": CPU_SOURCE, "results": records})
     return 0
 

@@ -409,3 +409,13 @@ def test_bpslaunch_removes_what_a_killed_worker_left_in_shared_memory_and_says_h
                 "code 137 (killed by SIGKILL)) left in /dev/shm") in err, err
     finally:
         other.unlink(missing_ok=True)
+
+
+def test_bpslaunch_mode_beside_byteps_enable_async_names_the_flag(monkeypatch, capsys):
+    """Issue 46.9: the error named BPS_GOSSIP_MODE, a variable the user never set (--mode did);
+    bpslaunch now refuses the pair itself, before starting anything, naming --mode."""
+    monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
+    monkeypatch.delenv("BPS_GOSSIP_MODE", raising=False)
+    assert cli.main(["-np", "2", "--mode", "allreduce", "python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "bpslaunch: --mode allreduce conflicts with BYTEPS_ENABLE_ASYNC=1" in err and "BPS_GOSSIP_MODE" not in err

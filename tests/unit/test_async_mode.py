@@ -40,17 +40,6 @@ def test_byteps_enable_async_beside_another_mode_is_a_config_error(monkeypatch):
     assert mode_class(None) is AsyncMode
 
 
-def test_bpslaunch_mode_beside_byteps_enable_async_names_the_flag(monkeypatch, capsys):
-    """Issue 46.9: the error named BPS_GOSSIP_MODE, a variable the user never set (--mode did);
-    bpslaunch now refuses the pair itself, before starting anything, naming --mode."""
-    from bps_gossip.launch import cli
-    monkeypatch.setenv("BYTEPS_ENABLE_ASYNC", "1")
-    monkeypatch.delenv("BPS_GOSSIP_MODE", raising=False)
-    assert cli.main(["-np", "2", "--mode", "allreduce", "python", "train.py"]) == 2
-    err = capsys.readouterr().err
-    assert "bpslaunch: --mode allreduce conflicts with BYTEPS_ENABLE_ASYNC=1" in err and "BPS_GOSSIP_MODE" not in err
-
-
 @pytest.fixture
 def one_worker():
     """A job of one worker in this process (no servers)."""
