@@ -340,9 +340,11 @@ def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Name
     OpenMP threads per worker waiting by ``policy``."""
     argv = [sys.executable, str(Path(__file__).resolve())]
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of every system
-    if policy == "default":
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
+    os.environ.pop("OMP_WAIT_POLICY", None)
+    os.environ.pop("GOMP_SPINCOUNT", None)
+    if policy.startswith("spincount="):  # libgomp's spin before sleeping (default 300000), not forever
+        os.environ["GOMP_SPINCOUNT"] = policy.split("=", 1)[1]
+    elif policy != "default":
         os.environ["OMP_WAIT_POLICY"] = policy.upper()
     groups = start_groups(job, args.systems, shape, argv)
     results: dict[str, Any] = {}
@@ -382,6 +384,17 @@ def bench_shape(job: Job, shape: ClusterShape, threads: int, args: argparse.Name
             group.close()
     return {"config": shape.label, "workers": shape.workers, "servers": shape.servers, "threads": threads,
             "wait_policy": policy, "systems": results}
+
+
+def bench_sequentially(job: Job, shape: ClusterShape, threads: int, args: argparse.Namespace,
+                       policy: str) -> dict[str, Any]:
+    """As :func:`bench_shape`, one system's cluster at a time: an idle cluster's OpenMP threads
+    spin forever under OMP_WAIT_POLICY=ACTIVE and take the cores of the one being timed."""
+    merged: dict[str, Any] = {}
+    for system in args.systems:
+        record = bench_shape(job, shape, threads, argparse.Namespace(**{**vars(args), "systems": [system]}), policy)
+        merged.setdefault("record", record)["systems"].update(record["systems"])
+    return merged["record"]
 
 
 def _ratio(entry: dict[str, Any], ref: dict[str, Any], key: str) -> str:
@@ -484,7 +497,10 @@ def parse_args() -> argparse.Namespace:
                         "comma-separated, each a run of every configuration (default 1: 2 workers fill 2 cores)")
     parser.add_argument("--wait-policy", default="default",
                         help="OMP_WAIT_POLICY of every process: comma-separated of default (unset), active, "
-                             "passive; each is one more run of every configuration")
+                             "passive, spincount=N (GOMP_SPINCOUNT=N); each is one more run of every configuration")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one system's cluster at a time (needed with --wait-policy active: idle OpenMP "
+                             "threads of the others would spin); default: all at once, passes interleaved")
     parser.add_argument("--steps", type=int, help="timed steps per pass (default 10; --quick 5)")
     parser.add_argument("--passes", type=int, help="timed passes per system (default 5; --quick 3)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps after building the trainer")
@@ -500,9 +516,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.shapes = parse_configs(args.configs or ("2w1s" if args.quick else "2w1s,4w1s"), min_workers=1)
     args.policies = [part.strip().lower() for part in args.wait_policy.split(",") if part.strip()] or ["default"]
-    bad = [policy for policy in args.policies if policy not in WAIT_POLICIES]
+    bad = [policy for policy in args.policies if policy not in WAIT_POLICIES
+           and not (policy.startswith("spincount=") and policy.split("=", 1)[1].isdigit())]
     if bad:
-        parser.error(f"--wait-policy {','.join(bad)}: use {', '.join(WAIT_POLICIES)}")
+        parser.error(f"--wait-policy {','.join(bad)}: use {', '.join(WAIT_POLICIES)} or spincount=N (GOMP_SPINCOUNT)")
     args.batch = args.batch or MODELS[args.model]
     args.steps = args.steps or (5 if args.quick else 10)
     args.passes = args.passes or (3 if args.quick else 5)
@@ -549,8 +566,9 @@ def main() -> int:
             for shape in args.shapes:
                 for spec in args.thread_specs:
                     for policy in args.policies:
-                        records.append(bench_shape(job, shape, threads_per_worker(spec, shape.workers), args,
-                                                   policy))
+                        threads = threads_per_worker(spec, shape.workers)
+                        records.append(bench_sequentially(job, shape, threads, args, policy) if args.sequential
+                                       else bench_shape(job, shape, threads, args, policy))
                         print(format_results(records[-1:]) + "\n", flush=True)
         except BenchError as exc:
             print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr)
