@@ -18,12 +18,12 @@ import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from .errors import ConfigError
+from .openmp_settings import THREAD_VARS, user_threads, wait_policy
 
 COMM_CORES_VAR = "BPS_GOSSIP_COMM_CORES"  # auto (default) or a number of cores; 0: reserve none
 AFFINITY_VAR = "BPS_GOSSIP_AFFINITY"  # 0: pin nothing (thread counts still follow the plan)
 PLACED_VAR = "BPS_GOSSIP_PLACED"  # set by bpslaunch for each process it placed (JSON)
 MIN_COMPUTE_CORES = 4  # auto reserves only where every worker keeps this many compute cores
-THREAD_VARS = ("OMP_NUM_THREADS", "MXNET_CPU_WORKER_NTHREADS")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -109,7 +109,7 @@ def plan(cpus: Sequence[int], workers: int, env: Mapping[str, str], opts: Option
     Raises ConfigError when BPS_GOSSIP_COMM_CORES leaves no core for computing.
     """
     units = _units(cpus, siblings)
-    omp, mxnet_workers, notes = _user_threads(env)
+    omp, mxnet_workers, notes = user_threads(env)
     if machine_cpus is not None and len(cpus) < machine_cpus:
         notes.append(f"within the {len(cpus)} of {machine_cpus} CPUs this job may use (cpus {format_cpus(cpus)}: "
                      "the user's or batch system's affinity, kept)")
@@ -133,7 +133,7 @@ def plan(cpus: Sequence[int], workers: int, env: Mapping[str, str], opts: Option
                      "the reserved cores free")
     unset = [name for name in THREAD_VARS if not (env.get(name) or "").strip()]
     set_env = {name: str(threads) if name == "OMP_NUM_THREADS" else "1" for name in unset}
-    set_env.update(_wait_policy(env, threads, workers, len(units), notes))
+    set_env.update(wait_policy(env, threads, workers, len(units), notes))
     return Plan(len(units), workers, compute, comm, threads, set_env, tuple(notes))
 
 
@@ -143,49 +143,6 @@ def _units(cpus: Sequence[int], siblings: Mapping[int, object] | None) -> list[t
     for cpu in sorted(set(cpus)):
         groups.setdefault(siblings.get(cpu, cpu) if siblings else cpu, []).append(cpu)
     return [tuple(group) for group in groups.values()]
-
-
-def _user_threads(env: Mapping[str, str]) -> tuple[int | None, int, list[str]]:
-    """The user's OMP_NUM_THREADS (None: unset) and MXNET_CPU_WORKER_NTHREADS (1: unset), and notes."""
-    notes, values = [], []
-    for name in THREAD_VARS:
-        raw = (env.get(name) or "").strip()
-        first = raw.split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels: 8,2
-        values.append(int(first) if first.isdecimal() and int(first) > 0 else None)
-        if raw:
-            notes.append(f"the user's {name}={raw} kept" + ("" if values[-1] else " (not a positive number: "
-                                                                                 "planned as if unset)"))
-    return values[0], values[1] or 1, notes
-
-
-# libgomp (MXNet's pip wheel links the system's) spins GOMP_SPINCOUNT times before an idle OpenMP
-# thread sleeps: 300000 by default, forever under OMP_WAIT_POLICY=ACTIVE. A team that has its cores
-# loses its threads to sleep between MXNet's many small parallel regions; ten million spins (a few
-# ms) keep them awake across those gaps, and still let idle processes beside it sleep (ACTIVE's
-# endless spinning made 5 idle clusters beside a timed one 5x slower). Measured in docs/placement.md.
-TEAM_SPIN_COUNT = "10000000"
-
-
-def _wait_policy(env: Mapping[str, str], threads: int, workers: int, cores: int, notes: list[str]) -> dict[str, str]:
-    """OMP_WAIT_POLICY=PASSIVE where the workers' OpenMP threads outnumber the cores: an idle thread
-    then sleeps at once instead of spinning on a core another team needs (two workers x 2 threads
-    on 2 cores train 8x faster so). Where each team has its cores, its idle threads spin longer
-    before sleeping (GOMP_SPINCOUNT=TEAM_SPIN_COUNT): one worker x 2 threads on 2 cores trained
-    1.1-1.5x faster so. The user's own settings win."""
-    mine = [name for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if (env.get(name) or "").strip()]
-    if mine:
-        notes.extend(f"the user's {name}={env[name].strip()} kept" for name in mine)
-        return {}
-    if threads < 2:
-        return {}
-    if workers * threads > cores:
-        notes.append(f"{workers} x {threads} OpenMP threads on {cores} core(s): idle ones sleep "
-                     "(OMP_WAIT_POLICY=PASSIVE)")
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
-    notes.append(f"{workers} x {threads} OpenMP threads on {cores} core(s): each team has its cores, so idle "
-                 f"threads spin a few ms before sleeping (GOMP_SPINCOUNT={TEAM_SPIN_COUNT}; OMP_WAIT_POLICY or "
-                 "GOMP_SPINCOUNT of your own wins)")
-    return {"GOMP_SPINCOUNT": TEAM_SPIN_COUNT}
 
 
 def _reserve(cores: int, cpus: int, workers: int, asked: int | None, omp: int | None, notes: list[str]) -> int:

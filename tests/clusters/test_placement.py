@@ -16,6 +16,7 @@ from bps_gossip import placement
 from bps_gossip.config import load_config
 from bps_gossip.errors import ConfigError
 from bps_gossip.launch.sessions import kill_groups
+from bps_gossip.openmp_settings import TEAM_SPIN_COUNT
 from bps_gossip.placement import Options, format_cpus, plan
 
 LAUNCH = [sys.executable, "-m", "bps_gossip.launch"]
@@ -58,10 +59,10 @@ def test_a_team_that_has_its_cores_spins_longer_before_sleeping():
     team has its cores; nothing where there is no team; the user's settings win."""
     for ncores, workers in ((4, 1), (16, 2), (16, 8), (64, 8)):
         placed = plan(cores(ncores), workers, {})
-        assert placed.threads >= 2 and placed.env["GOMP_SPINCOUNT"] == placement.TEAM_SPIN_COUNT, (ncores, workers)
+        assert placed.threads >= 2 and placed.env["GOMP_SPINCOUNT"] == TEAM_SPIN_COUNT, (ncores, workers)
         assert "OMP_WAIT_POLICY" not in placed.env and "spin a few ms before sleeping" in placed.describe(0)
     placed = plan(cores(2), 1, {"OMP_NUM_THREADS": "2"})  # the layout measured: one worker on both cores
-    assert placed.env["GOMP_SPINCOUNT"] == placement.TEAM_SPIN_COUNT
+    assert placed.env["GOMP_SPINCOUNT"] == TEAM_SPIN_COUNT
     assert "GOMP_SPINCOUNT" not in plan(cores(2), 2, {}).env  # one thread each: no team to keep awake
     for mine in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "1000"}):
         placed = plan(cores(16), 2, mine)
@@ -121,7 +122,7 @@ def test_the_users_thread_counts_win():
     assert placed.pinned and placed.threads == 2 and "OMP_NUM_THREADS" not in placed.env
     assert not plan(cores(2), 1, {"OMP_NUM_THREADS": "1"}).pinned, "small hosts are never pinned by default"
     placed = plan(cores(16), 2, {"MXNET_CPU_WORKER_NTHREADS": "2"})  # two operators at once: half the threads
-    assert placed.env == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": placement.TEAM_SPIN_COUNT}
+    assert placed.env == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": TEAM_SPIN_COUNT}
     placed = plan(cores(16), 2, {"OMP_NUM_THREADS": "lots"})  # not ours to fix: kept, planned as if unset
     assert "OMP_NUM_THREADS" not in placed.env and placed.pinned
     assert "OMP_NUM_THREADS=lots kept (not a positive number: planned as if unset)" in placed.describe(0)
